@@ -1,0 +1,1 @@
+"""In-pod agent: the gRPC server that runs beside each training process (later issue)."""

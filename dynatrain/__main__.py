@@ -1,0 +1,5 @@
+import sys
+
+from dynatrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Virtual Parameter Space: layouts, the mapping onto ranks, and switch plans."""

@@ -1,0 +1,264 @@
+"""Layouts: how a job's ranks are arranged (dp, tp, pp, ep, ZeRO) and which device each uses.
+
+A :class:`Layout` is a value: parallel degrees, ZeRO stage, pipeline stage sizes, the rank order
+(which axis varies fastest) and the rank → device list. It has a text form for the CLI
+(``dp=4,tp=2,pp=2,ep=2,zero=1,stages=12+10+10``; anything not given is 1, zero is 0) and is
+checked against a model by :func:`validate`, which reports every problem at once, each naming
+the value and what would be valid.
+
+Rank coordinates follow Megatron's default order ``tp-dp-pp`` (tp fastest, pp slowest), so a
+TP group is a run of consecutive ranks and, with 8 devices a node, stays inside one node.
+Expert parallelism is carved out of data parallelism: the dp index ``j`` splits into
+``ep_rank = j % ep`` and the expert-data-parallel index ``j // ep``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from itertools import permutations
+
+from .boxes import even_split
+from .model import FIRST, LAST, ModelSpec
+
+AXES = ("tp", "dp", "pp")
+ZERO_STAGES = (0, 1, 3)
+DEFAULT_ORDER = ("tp", "dp", "pp")
+_KEYS = ("dp", "tp", "pp", "ep", "zero", "stages", "order")
+
+
+class LayoutError(ValueError):
+    """A layout is malformed or does not fit the model / devices; the message names the value."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A parallelism layout of one job."""
+
+    dp: int = 1
+    """Data-parallel degree (EP ranks are carved out of it)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of stages)."""
+    ep: int = 1
+    """Expert-parallel degree; must divide dp and the expert count."""
+    zero: int = 0
+    """ZeRO stage: 0 (nothing sharded), 1 (master + moments sharded over DP), 3 (params too)."""
+    stages: tuple[int, ...] | None = None
+    """Layers per pipeline stage; None means as even as possible, first stages take the rest."""
+    order: tuple[str, ...] = DEFAULT_ORDER
+    """Rank order, fastest-varying axis first."""
+    devices: tuple[int, ...] | None = None
+    """Device of each rank; None means devices 0..world-1."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("dp", "tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if self.zero not in ZERO_STAGES:
+            problems.append(f"zero={self.zero!r} is not a ZeRO stage; valid: 0, 1, 3")
+        if sorted(self.order) != sorted(AXES):
+            problems.append(f"order={'-'.join(self.order)!r} must be a permutation of "
+                            f"tp, dp, pp (e.g. {'-'.join(DEFAULT_ORDER)})")
+        if problems:
+            raise LayoutError("; ".join(problems))
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+        if self.stages is not None:
+            object.__setattr__(self, "stages", tuple(self.stages))
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: replicas of each expert."""
+        return self.dp // self.ep
+
+    @cached_property
+    def device_of(self) -> tuple[int, ...]:
+        """Device of each rank (rank → device)."""
+        return self.devices if self.devices is not None else tuple(range(self.world))
+
+    @cached_property
+    def _strides(self) -> dict[str, int]:
+        sizes = {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+        strides, s = {}, 1
+        for axis in self.order:
+            strides[axis] = s
+            s *= sizes[axis]
+        return strides
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        """The rank at pipeline stage ``pp``, data-parallel index ``dp``, TP index ``tp``."""
+        st = self._strides
+        return pp * st["pp"] + dp * st["dp"] + tp * st["tp"]
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) of ``rank``."""
+        st = self._strides
+        return ((rank // st["pp"]) % self.pp, (rank // st["dp"]) % self.dp,
+                (rank // st["tp"]) % self.tp)
+
+    def with_devices(self, devices) -> "Layout":
+        return replace(self, devices=tuple(devices))
+
+    def to_text(self) -> str:
+        """Canonical text form; parse(to_text()) gives an equal layout (devices aside)."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.ep != 1:
+            parts.append(f"ep={self.ep}")
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.stages is not None and self.pp > 1:
+            parts.append("stages=" + "+".join(map(str, self.stages)))
+        if self.order != DEFAULT_ORDER:
+            parts.append("order=" + "-".join(self.order))
+        return ",".join(parts)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def parse_layout(text: str) -> Layout:
+    """Parse ``dp=4,tp=2,pp=2,ep=2,zero=1,stages=12+10+10,order=tp-dp-pp``."""
+    if not isinstance(text, str) or not text.strip():
+        raise LayoutError(f"layout {text!r} is empty; expected e.g. 'dp=4,tp=2,pp=2,zero=1'")
+    values: dict = {}
+    problems = []
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key = key.lower()
+        if not sep or not raw:
+            problems.append(f"{item!r} is not key=value")
+            continue
+        if key not in _KEYS:
+            problems.append(f"unknown key {key!r}; valid keys: {', '.join(_KEYS)}")
+            continue
+        if key in values:
+            problems.append(f"{key} is given twice")
+            continue
+        try:
+            if key == "stages":
+                values[key] = tuple(int(x) for x in raw.split("+"))
+            elif key == "order":
+                values[key] = tuple(raw.split("-"))
+            else:
+                values[key] = int(raw)
+        except ValueError:
+            hint = "layer counts joined by '+', e.g. 12+10+10" if key == "stages" else "an integer"
+            problems.append(f"{key}={raw!r} is not {hint}")
+    if problems:
+        raise LayoutError(f"layout {text!r}: " + "; ".join(problems))
+    try:
+        return Layout(**values)
+    except LayoutError as e:
+        raise LayoutError(f"layout {text!r}: {e}") from None
+
+
+def default_stages(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage, as even as possible; the first stages take the remainder."""
+    return tuple(b - a for a, b in (even_split(num_layers, pp, s) for s in range(pp)))
+
+
+def layout_problems(layout: Layout, model: ModelSpec, num_devices: int | None = None) -> list[str]:
+    """Every reason ``layout`` cannot run ``model`` (empty if it can)."""
+    p = []
+    m, tp, ep = model, layout.tp, layout.ep
+    if m.num_heads % tp:
+        p.append(f"tp={tp} must divide the attention heads ({m.num_heads}) of {m.name}")
+    if m.num_kv_heads != m.num_heads and m.num_kv_heads % tp and tp % m.num_kv_heads:
+        p.append(f"tp={tp} must divide the kv heads ({m.num_kv_heads}) of {m.name} or be a "
+                 f"multiple of them (kv heads are then replicated)")
+    ffn = m.moe_ffn_hidden_size if m.is_moe else m.ffn_hidden_size
+    if ffn % tp:
+        p.append(f"tp={tp} must divide the FFN width ({ffn}) of {m.name}")
+    if m.vocab_size % tp:
+        p.append(f"tp={tp} must divide the vocabulary ({m.vocab_size}) of {m.name}")
+    if ep > 1 and not m.is_moe:
+        p.append(f"ep={ep} needs an MoE model; {m.name} is dense (use ep=1)")
+    elif m.is_moe and m.num_experts % ep:
+        p.append(f"ep={ep} must divide the expert count ({m.num_experts}) of {m.name}")
+    if layout.dp % ep:
+        p.append(f"ep={ep} must divide dp={layout.dp} (EP ranks are carved out of DP)")
+    if layout.pp > m.num_layers:
+        p.append(f"pp={layout.pp} exceeds the {m.num_layers} layers of {m.name}")
+    if layout.stages is not None:
+        if len(layout.stages) != layout.pp:
+            p.append(f"stages={'+'.join(map(str, layout.stages))} lists {len(layout.stages)} "
+                     f"stages but pp={layout.pp}")
+        if any(s < 1 for s in layout.stages):
+            p.append(f"stages={'+'.join(map(str, layout.stages))}: every stage needs >= 1 layer")
+        if sum(layout.stages) != m.num_layers:
+            p.append(f"stages={'+'.join(map(str, layout.stages))} sum to "
+                     f"{sum(layout.stages)}, but {m.name} has {m.num_layers} layers")
+    world = layout.world
+    if layout.devices is not None:
+        devs = layout.devices
+        if len(devs) != world:
+            p.append(f"dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} = {world} ranks but "
+                     f"{len(devs)} devices are given")
+        if len(set(devs)) != len(devs):
+            p.append("the device list names a device twice")
+        if any((not isinstance(d, int)) or d < 0 for d in devs):
+            p.append("device ids must be non-negative integers")
+    elif num_devices is not None and world != num_devices:
+        p.append(f"dp*tp*pp = {layout.dp}*{layout.tp}*{layout.pp} = {world} must equal the "
+                 f"number of devices ({num_devices})")
+    return p
+
+
+def bind(layout: Layout, model: ModelSpec, num_devices: int | None = None) -> "BoundLayout":
+    """Check ``layout`` against ``model`` and resolve its stages and devices.
+
+    Raises LayoutError listing every problem, so a user fixes them all in one go.
+    """
+    problems = layout_problems(layout, model, num_devices)
+    if problems:
+        raise LayoutError(f"layout {layout.to_text()!r} does not fit {model.name}: "
+                          + "; ".join(problems))
+    stages = layout.stages or default_stages(model.num_layers, layout.pp)
+    return BoundLayout(replace(layout, stages=stages), model)
+
+
+class BoundLayout:
+    """A layout validated against one model: stage of every layer, ranks of every stage."""
+
+    def __init__(self, layout: Layout, model: ModelSpec):
+        self.layout = layout
+        self.model = model
+        stage_of_layer = []
+        for s, n in enumerate(layout.stages):
+            stage_of_layer.extend([s] * n)
+        self.stage_of_layer = tuple(stage_of_layer)
+        self.rank_of_device = {d: r for r, d in enumerate(layout.device_of)}
+
+    def __getattr__(self, name):  # dp, tp, rank(), device_of, ... come from the layout
+        return getattr(self.layout, name)
+
+    def stages_of(self, layer: int, tied_to_last: bool = False) -> tuple[int, ...]:
+        """Pipeline stages that hold a tensor of ``layer`` (two for a tied embedding)."""
+        if layer == FIRST:
+            first = 0
+        elif layer == LAST:
+            first = self.layout.pp - 1
+        else:
+            first = self.stage_of_layer[layer]
+        if tied_to_last and self.layout.pp - 1 != first:
+            return (first, self.layout.pp - 1)
+        return (first,)
+
+    def stage_layers(self, stage: int) -> range:
+        start = sum(self.layout.stages[:stage])
+        return range(start, start + self.layout.stages[stage])
+
+
+def all_orders() -> list[tuple[str, ...]]:
+    """Every valid rank order (for property tests)."""
+    return list(permutations(AXES))

@@ -1,0 +1,279 @@
+"""Model specs: the logical, unsharded model that every layout is a mapping of.
+
+A :class:`ModelSpec` holds a transformer's hyper-parameters; :func:`model_tensors` turns it into
+the exact list of logical tensors (:class:`TensorSpec`), each carrying the metadata the mapping
+needs to shard it Megatron-style: which dim TP splits and in what indivisible units (heads, or
+single rows), which dim stacks experts (for EP), and which layer it belongs to (for PP).
+Two families are described: ``gpt`` (GPT-2: LayerNorm with bias, GELU MLP, learned positions,
+tied embeddings) and ``llama`` (RMSNorm, SwiGLU, RoPE, optional GQA, optional MoE, optional
+QK-norm as in Qwen3).
+
+This module is pure metadata: no torch import, so a 235B model can be described on a laptop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from math import prod
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("gpt", "llama")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Pseudo layer indices for tensors that live outside the transformer blocks: the embedding
+# sits on the first pipeline stage, the final norm and LM head on the last.
+FIRST = -1
+LAST = 1 << 30
+
+
+class ModelSpecError(ValueError):
+    """A model spec (preset name, file or field) is not valid; the message names the value."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """One logical model tensor in full, unsharded form."""
+
+    name: str
+    """Dotted name, e.g. ``layers.3.attn.q.weight``."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    dtype: str
+    """Dtype of the working parameter (master copy and moments are always float32)."""
+    layer: int
+    """Transformer block index, or :data:`FIRST` (embedding) / :data:`LAST` (final norm, head)."""
+    tp_dim: int | None = None
+    """The dim that tensor parallelism splits, or None if every TP rank holds it whole."""
+    tp_units: int = 0
+    """Indivisible units along ``tp_dim`` (heads for attention, rows otherwise)."""
+    tp_replicable: bool = False
+    """TP may exceed ``tp_units`` by replicating units (GQA key/value heads, Megatron-style)."""
+    expert_dim: int | None = None
+    """The dim along which experts are stacked (split by EP), or None for dense tensors."""
+    tied_to_last: bool = False
+    """Also used by the last pipeline stage (tied input/output embedding): a replica lives there."""
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def rule(self) -> "ShardRule":
+        return ShardRule(shape=self.shape, tp_dim=self.tp_dim, tp_units=self.tp_units,
+                         tp_replicable=self.tp_replicable, expert_dim=self.expert_dim)
+
+    @property
+    def signature(self) -> tuple:
+        """Everything about the tensor except its name and layer: tensors with the same
+        signature on the same pipeline stages shard identically, which the planner exploits."""
+        return (self.rule, self.dtype, self.tied_to_last)
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """The part of a TensorSpec that decides how it is cut into TP/EP shards.
+
+    Many tensors share one rule (every layer's q projection, say), so per-rule results are
+    cached by the mapping.
+    """
+
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    tp_units: int
+    tp_replicable: bool
+    expert_dim: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Hyper-parameters of a GPT- or Llama-family transformer (dense or MoE)."""
+
+    name: str
+    """Preset or user-chosen name."""
+    arch: str
+    """``gpt`` or ``llama``."""
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    """Dense MLP width (unused by MoE layers)."""
+    max_seq_len: int = 2048
+    num_kv_heads: int = 0
+    """Key/value heads for GQA; 0 means equal to ``num_heads``."""
+    head_dim: int = 0
+    """0 means ``hidden_size // num_heads``."""
+    num_experts: int = 0
+    """0 for a dense model; otherwise every layer is an MoE layer with this many experts."""
+    experts_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    dtype: str = "bfloat16"
+    """Dtype of the working parameters."""
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.arch not in ARCHS:
+            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.dtype not in DTYPE_BYTES:
+            problems.append(f"dtype={self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if problems:
+            raise ModelSpecError(f"model {self.name!r}: " + "; ".join(problems))
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                problems.append(f"hidden_size={self.hidden_size} is not divisible by "
+                                f"num_heads={self.num_heads}; set head_dim explicitly")
+            else:
+                object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of "
+                            f"num_kv_heads={self.num_kv_heads}")
+        if self.num_experts:
+            if not 1 <= self.experts_top_k <= self.num_experts:
+                problems.append(f"experts_top_k={self.experts_top_k} must be in "
+                                f"1..num_experts={self.num_experts}")
+            if self.moe_ffn_hidden_size < 1:
+                problems.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be "
+                                "positive for an MoE model")
+        if self.arch == "gpt" and (self.num_experts or self.qk_norm):
+            problems.append("arch='gpt' supports neither experts nor qk_norm; use arch='llama'")
+        if problems:
+            raise ModelSpecError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @cached_property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """Every logical tensor of the model, in a fixed order."""
+        return tuple(model_tensors(self))
+
+    @cached_property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description"}
+
+
+def model_tensors(m: ModelSpec) -> list[TensorSpec]:
+    """The model's tensors, with Megatron-style sharding metadata."""
+    h, hd, nh, nkv = m.hidden_size, m.head_dim, m.num_heads, m.num_kv_heads
+    bias = m.arch == "gpt"
+    out: list[TensorSpec] = []
+
+    def add(name, shape, layer, **kw):
+        out.append(TensorSpec(name=name, shape=tuple(shape), dtype=m.dtype, layer=layer, **kw))
+
+    def norm(prefix, layer, width=h):
+        add(f"{prefix}.weight", (width,), layer)
+        if bias:
+            add(f"{prefix}.bias", (width,), layer)
+
+    # The vocabulary is split across TP ranks (VocabParallelEmbedding).
+    add("embed.tokens", (m.vocab_size, h), FIRST, tp_dim=0, tp_units=m.vocab_size,
+        tied_to_last=m.tie_embeddings)
+    if m.arch == "gpt":
+        add("embed.positions", (m.max_seq_len, h), FIRST)
+
+    for i in range(m.num_layers):
+        p = f"layers.{i}"
+        norm(f"{p}.attn_norm", i)
+        # Column-parallel q/k/v split by heads; GQA kv heads replicate when tp > kv heads.
+        add(f"{p}.attn.q.weight", (nh * hd, h), i, tp_dim=0, tp_units=nh)
+        add(f"{p}.attn.k.weight", (nkv * hd, h), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
+        add(f"{p}.attn.v.weight", (nkv * hd, h), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
+        if bias:
+            add(f"{p}.attn.q.bias", (nh * hd,), i, tp_dim=0, tp_units=nh)
+            add(f"{p}.attn.k.bias", (nkv * hd,), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
+            add(f"{p}.attn.v.bias", (nkv * hd,), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
+        if m.qk_norm:
+            add(f"{p}.attn.q_norm.weight", (hd,), i)
+            add(f"{p}.attn.k_norm.weight", (hd,), i)
+        # Row-parallel output projection: split along its input (heads) dim.
+        add(f"{p}.attn.o.weight", (h, nh * hd), i, tp_dim=1, tp_units=nh)
+        if bias:
+            add(f"{p}.attn.o.bias", (h,), i)
+        norm(f"{p}.mlp_norm", i)
+        if m.is_moe:
+            e, f = m.num_experts, m.moe_ffn_hidden_size
+            add(f"{p}.moe.router.weight", (e, h), i)
+            # Stacked experts: EP splits dim 0, TP splits each expert's FFN width.
+            add(f"{p}.moe.experts.gate", (e, f, h), i, tp_dim=1, tp_units=f, expert_dim=0)
+            add(f"{p}.moe.experts.up", (e, f, h), i, tp_dim=1, tp_units=f, expert_dim=0)
+            add(f"{p}.moe.experts.down", (e, h, f), i, tp_dim=2, tp_units=f, expert_dim=0)
+        elif m.arch == "gpt":
+            f = m.ffn_hidden_size
+            add(f"{p}.mlp.fc1.weight", (f, h), i, tp_dim=0, tp_units=f)
+            add(f"{p}.mlp.fc1.bias", (f,), i, tp_dim=0, tp_units=f)
+            add(f"{p}.mlp.fc2.weight", (h, f), i, tp_dim=1, tp_units=f)
+            add(f"{p}.mlp.fc2.bias", (h,), i)
+        else:
+            f = m.ffn_hidden_size
+            add(f"{p}.mlp.gate.weight", (f, h), i, tp_dim=0, tp_units=f)
+            add(f"{p}.mlp.up.weight", (f, h), i, tp_dim=0, tp_units=f)
+            add(f"{p}.mlp.down.weight", (h, f), i, tp_dim=1, tp_units=f)
+
+    norm("final_norm", LAST)
+    if not m.tie_embeddings:
+        add("head.weight", (m.vocab_size, h), LAST, tp_dim=0, tp_units=m.vocab_size)
+    return out
+
+
+def model_from_dict(data: dict[str, Any], *, source: str = "model spec") -> ModelSpec:
+    """Build a ModelSpec from a mapping (e.g. parsed YAML), naming unknown or bad fields."""
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    known = {f.name for f in fields(ModelSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ModelSpecError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                             f"valid fields: {', '.join(sorted(known))}")
+    missing = [n for n in ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                           "ffn_hidden_size") if n not in data]
+    if missing:
+        raise ModelSpecError(f"{source}: missing required field(s) {', '.join(missing)}")
+    data = dict(data)
+    data.setdefault("name", Path(source).stem if source != "model spec" else "custom")
+    try:
+        return ModelSpec(**data)
+    except TypeError as e:  # e.g. a list where an int belongs
+        raise ModelSpecError(f"{source}: {e}") from None
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a spec read from a ``.yaml``/``.yml``/``.json`` file."""
+    from .presets import PRESETS
+
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise ModelSpecError(f"model file {name_or_path!r} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # parse errors: report the file and the parser's words
+            raise ModelSpecError(f"model file {name_or_path!r} could not be parsed: {e}") from None
+        return model_from_dict(data, source=name_or_path)
+    raise ModelSpecError(f"unknown model {name_or_path!r}; valid presets: "
+                         f"{', '.join(PRESETS)} (or a .yaml/.json spec file)")
