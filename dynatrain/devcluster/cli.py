@@ -1,0 +1,156 @@
+"""`dynatrain dev cluster`: run the dev cluster in the foreground.
+
+:func:`register` adds the ``dev`` command (with its ``cluster`` subcommand)
+to the ``dynatrain`` console script's argparse subparsers. The command builds
+or reuses the control-plane binaries, starts the cluster, writes the admin
+kubeconfig once the simulated nodes are Ready, and then waits; Ctrl-C or
+SIGTERM stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+# Only what --help needs is imported here; the cluster modules (and the
+# `kubernetes` client they need) are imported when the command runs.
+from .errors import DevClusterError
+from .nodes import NodePool, Taint
+
+_DESCRIPTION = """\
+Run a real Kubernetes control plane on 127.0.0.1 in the foreground: etcd,
+kube-apiserver, kube-scheduler (all built from the Kubernetes Go modules pinned
+in tools/k8s/go.mod, cached under ~/.cache/dynatrain/k8s) and kwok, which
+simulates GPU nodes: pods requesting nvidia.com/gpu are scheduled onto them by
+the real scheduler and reported Running. There is no container runtime and no
+kube-controller-manager. Stop with Ctrl-C (or SIGTERM): every process is
+stopped and the state directory removed.
+"""
+
+_EPILOG = """\
+examples:
+  dynatrain dev cluster --nodes 4 --gpus-per-node 8 --kubeconfig /tmp/dev.kubeconfig
+  KUBECONFIG=/tmp/dev.kubeconfig kubectl get nodes
+  dynatrain dev cluster --build-only      # build/cache the binaries (CI warm-up)
+"""
+
+
+def _taint(text: str) -> Taint:
+    # kubectl syntax: KEY[=VALUE]:EFFECT
+    try:
+        key_value, effect = text.rsplit(":", 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"taint {text!r} is not KEY[=VALUE]:EFFECT") from None
+    key, _, value = key_value.partition("=")
+    try:
+        return Taint(key=key, value=value, effect=effect)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``dev cluster`` to the ``dynatrain`` command line."""
+    dev = subparsers.add_parser("dev", help="developer tools (dev cluster)",
+                                description="Tools for developing DynaTrain.")
+    dev_sub = dev.add_subparsers(dest="dev_command", metavar="COMMAND", required=True)
+    p = dev_sub.add_parser(
+        "cluster", help="run a loopback Kubernetes control plane with simulated GPU nodes",
+        description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, metavar="N",
+                   help="number of simulated nodes (default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                   help="nvidia.com/gpu capacity of each node (default: %(default)s)")
+    p.add_argument("--cpu", default="96", help="CPU capacity per node (default: %(default)s)")
+    p.add_argument("--memory", default="1Ti",
+                   help="memory capacity per node (default: %(default)s)")
+    p.add_argument("--instance-type", default="p5.48xlarge",
+                   help="node.kubernetes.io/instance-type label (default: %(default)s)")
+    p.add_argument("--taint", type=_taint, action="append", default=[], metavar="KEY[=V]:EFFECT",
+                   help="taint every node (repeatable)")
+    p.add_argument("--kubeconfig", type=Path, default=Path("dynatrain-dev.kubeconfig"),
+                   help="where to write the admin kubeconfig (default: %(default)s)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep state and logs here "
+                        "(default: a temporary directory, removed on exit)")
+    p.add_argument("--build-only", action="store_true",
+                   help="only build and cache the binaries, then exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``dynatrain dev cluster``; returns the exit code."""
+    try:
+        return _run(args)
+    except DevClusterError as exc:
+        # The message names the component and its log; a traceback adds nothing.
+        print(f"dynatrain dev cluster: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .build import BINARIES, default_toolchain, ensure_built, pinned_versions
+    from .cluster import ClusterConfig, DevCluster
+
+    binaries = ensure_built()
+    if args.build_only:
+        versions = ", ".join(f"{m} {v}" for m, v in pinned_versions(default_toolchain()).items())
+        print(f"binaries ({', '.join(BINARIES)}) for {versions} are in {binaries.bin_dir}")
+        return 0
+
+    config = ClusterConfig(
+        pools=(NodePool(count=args.nodes, gpus_per_node=args.gpus_per_node, cpu=args.cpu,
+                        memory=args.memory, instance_type=args.instance_type,
+                        taints=tuple(args.taint)),),
+        kubeconfig=args.kubeconfig.resolve(),
+        workdir=args.workdir.resolve() if args.workdir else None,
+    )
+    stop = threading.Event()
+    # SIGTERM (systemd, CI, `kill`) must stop the cluster as Ctrl-C does;
+    # turning it into KeyboardInterrupt routes both through one cleanup path.
+    # SIGINT is set too because a shell script's `cmd &` starts it ignored.
+    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = DevCluster(config, binaries=binaries)
+    try:
+        cluster.start()
+        kubectl = binaries.path("kubectl")
+        print(
+            f"\ndev cluster ready: {len(cluster.nodes)} nodes x {args.gpus_per_node} "
+            f"nvidia.com/gpu, apiserver {cluster.server}\n"
+            f"  export KUBECONFIG={cluster.kubeconfig}\n"
+            f"  {kubectl} get nodes\n"
+            f"  kubectl apply -f crds/dynatrainjob.yaml\n"
+            f"logs: {cluster.workdir / 'logs'}\n"
+            "Ctrl-C stops the cluster.", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        print("\nstopping the dev cluster...", file=sys.stderr, flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        cluster.stop()
+        if args.kubeconfig.exists():
+            # The kubeconfig points at a server that no longer exists.
+            args.kubeconfig.unlink()
+    print("dev cluster stopped", file=sys.stderr)
+    return 0
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone runner until ``register`` is wired into the dynatrain CLI."""
+    parser = argparse.ArgumentParser(prog="dynatrain")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

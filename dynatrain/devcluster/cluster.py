@@ -1,0 +1,350 @@
+"""A real Kubernetes control plane on loopback, with simulated GPU nodes.
+
+:class:`DevCluster` starts, in order and each only once the previous one is
+ready: etcd, kube-apiserver (TLS with a throw-away PKI, Node+RBAC
+authorization), kube-scheduler and kwok, then creates the simulated nodes
+and waits until kwok reports them Ready. Everything listens on 127.0.0.1 at
+ports chosen free, keeps its state and logs in one work directory, and runs
+in its own process group, so :meth:`DevCluster.stop` leaves nothing behind.
+
+There is no kube-controller-manager: no controller creates service-account
+tokens, garbage-collects orphans, finishes namespace deletion or evicts pods
+from deleted nodes. Tests that need one of those behaviours must do it
+themselves; see the README.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import ssl
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kubernetes import client
+from kubernetes import config as k8s_config
+
+from .build import Binaries, ensure_built
+from .certs import ClientIdentity, Pki, write_pki
+from .errors import DevClusterError
+from .kubeconfig import build_kubeconfig, write_kubeconfig
+from .nodes import KWOK_ANNOTATION, NodePool, add_nodes, node_is_ready
+from .processes import Component, free_port, wait_until
+
+STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
+
+_ADMIN = ClientIdentity(name="admin", user="dynatrain-admin", groups=("system:masters",))
+_SCHEDULER = ClientIdentity(name="kube-scheduler", user="system:kube-scheduler")
+# kwok writes node and pod status, leases and events for every simulated
+# node; no built-in role covers that, and in a throw-away cluster a
+# dedicated ClusterRole would only be a copy of the list to keep up to date.
+_KWOK = ClientIdentity(name="kwok", user="kwok-controller", groups=("system:masters",))
+
+
+def _seconds(name: str, default: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(name, default)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """What to start. Every timeout can be raised by an environment variable."""
+
+    pools: tuple[NodePool, ...] = (NodePool(),)
+    """Simulated nodes to create once the control plane is up."""
+    kubeconfig: Path | None = None
+    """Where to write the admin kubeconfig; default ``<workdir>/admin.kubeconfig``."""
+    workdir: Path | None = None
+    """State and logs; default a fresh temporary directory, removed by stop()."""
+    keep_workdir: bool = False
+    """Keep the work directory (logs!) after stop(); a given workdir is always kept."""
+    service_cidr: str = "10.96.0.0/16"
+    """ClusterIP range; its first address is the ``kubernetes`` Service."""
+    pod_cidr: str = "10.244.0.0/16"
+    """Range kwok assigns pod IPs from."""
+    start_timeout: datetime.timedelta = field(
+        default_factory=lambda: _seconds("DYNATRAIN_DEVCLUSTER_START_TIMEOUT_S", 120))
+    """Limit for each component to become ready and for the nodes to be Ready."""
+    stop_timeout: datetime.timedelta = field(
+        default_factory=lambda: _seconds("DYNATRAIN_DEVCLUSTER_STOP_TIMEOUT_S", 15))
+    """Grace period for each component after SIGTERM, before SIGKILL."""
+
+    def __post_init__(self) -> None:
+        names = [n for pool in self.pools for n in pool.node_names()]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"ClusterConfig.pools name the same nodes twice: {duplicates}; "
+                             "give the pools different name_prefix or first_index")
+        for name in ("start_timeout", "stop_timeout"):
+            if getattr(self, name) <= datetime.timedelta(0):
+                raise ValueError(f"ClusterConfig.{name}={getattr(self, name)} must be positive")
+
+
+def _first_ip(cidr: str) -> str:
+    return str(ipaddress.ip_network(cidr)[1])
+
+
+class DevCluster:
+    """A running dev cluster; use as a context manager or call start()/stop()."""
+
+    def __init__(self, config: ClusterConfig | None = None, *,
+                 binaries: Binaries | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self._binaries = binaries
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._components: list[Component] = []
+        self._owns_workdir = self.config.workdir is None
+        self.workdir: Path | None = None
+        self.server: str | None = None
+        self.kubeconfig: Path | None = None
+        """The admin kubeconfig, once the cluster and its nodes are ready."""
+        self._admin_kubeconfig: Path | None = None
+        self.nodes: list[str] = []
+        self._api: client.ApiClient | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def __enter__(self) -> DevCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> DevCluster:
+        try:
+            self._start()
+        except BaseException:
+            # Includes KeyboardInterrupt: a half-started cluster must not leak processes.
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        cfg = self.config
+        binaries = self._binaries or ensure_built(log=self._log)
+        if cfg.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="dynatrain-devcluster-"))
+        else:
+            self.workdir = cfg.workdir
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        work = self.workdir
+        logs = work / "logs"
+        self._log(f"[devcluster] work dir {work}, logs in {logs}")
+
+        pki = write_pki(work / "pki", clients=(_ADMIN, _SCHEDULER, _KWOK),
+                        service_ip=_first_ip(cfg.service_cidr))
+
+        etcd_url = self._start_etcd(binaries, work, logs)
+        self._start_apiserver(binaries, work, logs, pki, etcd_url)
+        admin = build_kubeconfig(server=self.server, ca=pki.ca.cert,
+                                 client=pki.clients["admin"], user=_ADMIN.user)
+        self._admin_kubeconfig = write_kubeconfig(work / "admin.kubeconfig", admin)
+        self._start_scheduler(binaries, work, logs, pki)
+        self._start_kwok(binaries, work, logs, pki)
+        for pool in cfg.pools:
+            self.add_pool(pool)
+        # Written last: whoever waits for this file (a script, a person) may
+        # use the cluster as soon as it appears, nodes included.
+        self.kubeconfig = (write_kubeconfig(cfg.kubeconfig, admin) if cfg.kubeconfig
+                           else self._admin_kubeconfig)
+
+    def stop(self) -> None:
+        """Stop every component (newest first) and remove an owned work dir."""
+        errors = []
+        for component in reversed(self._components):
+            try:
+                component.stop(self.config.stop_timeout)
+            except Exception as exc:  # noqa: BLE001 - keep stopping the rest, report below
+                errors.append(f"{component.name}: {type(exc).__name__}: {exc} "
+                              f"(log: {component.log})")
+        self._components.clear()
+        if self._api is not None:
+            self._api.close()
+            self._api = None
+        if self.workdir and self._owns_workdir and not self.config.keep_workdir and not errors:
+            shutil.rmtree(self.workdir, ignore_errors=False)
+            self.workdir = None
+        if errors:
+            raise DevClusterError("stopping the dev cluster failed: " + "; ".join(errors))
+
+    # -- clients -----------------------------------------------------------
+
+    def api_client(self) -> client.ApiClient:
+        """An ApiClient for the admin identity (shared, closed by stop())."""
+        if self._admin_kubeconfig is None:
+            raise DevClusterError("the dev cluster is not started: no kubeconfig yet")
+        if self._api is None:
+            self._api = k8s_config.new_client_from_config(
+                config_file=str(self._admin_kubeconfig))
+        return self._api
+
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client())
+
+    # -- nodes -------------------------------------------------------------
+
+    def add_pool(self, pool: NodePool) -> list[str]:
+        """Create the nodes of ``pool`` and wait until kwok has made them Ready."""
+        core = self.core()
+        names = add_nodes(core, pool)
+        kwok = next(c for c in self._components if c.name == "kwok")
+
+        def all_ready() -> bool:
+            ready = {n.metadata.name for n in core.list_node().items if node_is_ready(n)}
+            return set(names) <= ready
+
+        wait_until(f"nodes {names} to become Ready (kwok marks them)", all_ready,
+                   timeout=self.config.start_timeout, component=kwok)
+        self.nodes.extend(names)
+        return names
+
+    # -- components ----------------------------------------------------------
+
+    def _start_component(self, name: str, argv: list[str], logs: Path) -> Component:
+        component = Component.start(name, argv, log=logs / f"{name}.log", cwd=self.workdir)
+        self._components.append(component)
+        return component
+
+    def _start_etcd(self, binaries: Binaries, work: Path, logs: Path) -> str:
+        client_port, peer_port = free_port(), free_port()
+        client_url = f"http://127.0.0.1:{client_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        etcd = self._start_component("etcd", [
+            str(binaries.path("etcd")),
+            "--name=dev",
+            f"--data-dir={work / 'etcd'}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=dev={peer_url}",
+            # Test data is disposable: skipping fsync makes writes ~10x faster
+            # on slow disks, and crash safety is meaningless here.
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ], logs)
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"{client_url}/health", timeout=2) as resp:
+                return json.load(resp).get("health") == "true"
+
+        wait_until(f"etcd at {client_url}/health", healthy,
+                   timeout=self.config.start_timeout, component=etcd)
+        return client_url
+
+    def _start_apiserver(self, binaries: Binaries, work: Path, logs: Path, pki: Pki,
+                         etcd_url: str) -> None:
+        port = free_port()
+        self.server = f"https://127.0.0.1:{port}"
+        apiserver = self._start_component("kube-apiserver", [
+            str(binaries.path("kube-apiserver")),
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={work / 'apiserver-certs'}",
+            f"--tls-cert-file={pki.apiserver.cert}",
+            f"--tls-private-key-file={pki.apiserver.key}",
+            f"--client-ca-file={pki.ca.cert}",
+            f"--service-account-key-file={pki.service_account_pub}",
+            f"--service-account-signing-key-file={pki.service_account_key}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-cluster-ip-range={self.config.service_cidr}",
+            "--authorization-mode=Node,RBAC",
+            # Two admission plugins wait for kube-controller-manager, which
+            # this cluster does not run: ServiceAccount rejects pods until the
+            # namespace's "default" ServiceAccount exists (the SA controller
+            # creates it; simulated pods need no token), and
+            # TaintNodesByCondition puts node.kubernetes.io/not-ready:NoSchedule
+            # on every new node for the node-lifecycle controller to lift.
+            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            # The `kubernetes` Service's endpoints may not be a loopback
+            # address, so the apiserver must not try to publish itself.
+            "--endpoint-reconciler-type=none",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--v=1",
+        ], logs)
+        ctx = ssl.create_default_context(cafile=str(pki.ca.cert))
+
+        def ready() -> bool:
+            # /readyz is open to anonymous users (system:public-info-viewer)
+            # and turns 200 only when every post-start hook, RBAC bootstrap
+            # included, has finished.
+            with urllib.request.urlopen(f"{self.server}/readyz", timeout=5, context=ctx) as resp:
+                return resp.status == 200
+
+        wait_until(f"kube-apiserver at {self.server}/readyz", ready,
+                   timeout=self.config.start_timeout, component=apiserver)
+
+    def _write_component_kubeconfig(self, pki: Pki, ident: ClientIdentity) -> Path:
+        return write_kubeconfig(
+            self.workdir / f"{ident.name}.kubeconfig",
+            build_kubeconfig(server=self.server, ca=pki.ca.cert,
+                             client=pki.clients[ident.name], user=ident.user))
+
+    def _start_scheduler(self, binaries: Binaries, work: Path, logs: Path, pki: Pki) -> None:
+        kubeconfig = self._write_component_kubeconfig(pki, _SCHEDULER)
+        port = free_port()
+        scheduler = self._start_component("kube-scheduler", [
+            str(binaries.path("kube-scheduler")),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            # Only /healthz and /metrics are served; without this the
+            # scheduler polls for a front-proxy CA that this cluster has no
+            # use for and logs an error about it several times a second.
+            "--authentication-skip-lookup=true",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={work / 'scheduler-certs'}",
+            # One scheduler per cluster: leader election would only add a
+            # lease round-trip (seconds) before the first pod is scheduled.
+            "--leader-elect=false",
+            "--profiling=false",
+            "--v=1",
+        ], logs)
+        # The scheduler serves /healthz with a self-signed certificate that it
+        # generates itself; on loopback, checking the status code is enough.
+        ctx = ssl._create_unverified_context()  # noqa: S323 - loopback health probe only
+
+        def healthy() -> bool:
+            url = f"https://127.0.0.1:{port}/healthz"
+            with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+                return resp.status == 200
+
+        wait_until(f"kube-scheduler at https://127.0.0.1:{port}/healthz", healthy,
+                   timeout=self.config.start_timeout, component=scheduler)
+
+    def _start_kwok(self, binaries: Binaries, work: Path, logs: Path, pki: Pki) -> None:
+        kubeconfig = self._write_component_kubeconfig(pki, _KWOK)
+        port = free_port()
+        key, value = KWOK_ANNOTATION
+        kwok = self._start_component("kwok", [
+            str(binaries.path("kwok")),
+            f"--kubeconfig={kubeconfig}",
+            f"--config={STAGES_FILE}",
+            f"--manage-nodes-with-annotation-selector={key}={value}",
+            f"--cidr={self.config.pod_cidr}",
+            "--node-ip=10.255.0.1",
+            f"--server-address=127.0.0.1:{port}",
+        ], logs)
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+                return resp.status == 200
+
+        wait_until(f"kwok at http://127.0.0.1:{port}/healthz", healthy,
+                   timeout=self.config.start_timeout, component=kwok)
+
+    def component_logs(self) -> dict[str, Path]:
+        """Log file of each running component, by name."""
+        return {c.name: c.log for c in self._components}

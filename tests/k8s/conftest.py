@@ -1,0 +1,83 @@
+"""Fixtures for tests against the real dev cluster (marker ``k8s``).
+
+One cluster per test session: starting it takes seconds once the binaries
+are cached, building them (first run, empty Go caches) takes minutes, so
+tests share it and isolate themselves by namespace and by the nodes they
+pin pods to. Each test's pods are deleted when it ends so that GPU capacity
+does not leak from one test into the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import uuid
+
+import pytest
+
+
+def _unavailable(reason: str):
+    # In CI nothing central may be skipped: a missing prerequisite there is a failure.
+    if os.environ.get("CI"):
+        pytest.fail(f"k8s tests cannot run in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+try:
+    import kubernetes  # noqa: F401
+except ImportError:
+    _unavailable("the k8s tests need the `kubernetes` client (pip install -e .)")
+
+from dynatrain.devcluster import ClusterConfig, DevCluster, NodePool  # noqa: E402
+
+GPU_NODES = 4
+GPUS_PER_NODE = 8
+
+
+@pytest.fixture(scope="session")
+def devcluster(tmp_path_factory):
+    """A running dev cluster: GPU_NODES nodes x GPUS_PER_NODE GPUs, plus one CPU-only node."""
+    if shutil.which("go") is None:
+        # The cache is keyed by the Go version too, so without Go there is
+        # nothing to look up. With Go, a missing cache is built here
+        # (minutes) rather than skipped, so CI cannot pass vacuously.
+        _unavailable("no Go toolchain (>= 1.26) to build the control plane with")
+    config = ClusterConfig(
+        pools=(
+            NodePool(count=GPU_NODES, gpus_per_node=GPUS_PER_NODE, instance_type="p5.48xlarge"),
+            NodePool(count=1, gpus_per_node=0, name_prefix="cpu-node",
+                     instance_type="m7i.4xlarge", cpu="16", memory="64Gi"),
+        ),
+        # Under pytest's tmp dir, so the logs of a failed session are kept
+        # (pytest keeps the last 3 runs) and the path shows in the report.
+        workdir=tmp_path_factory.mktemp("devcluster"),
+        kubeconfig=None,
+    )
+    with DevCluster(config) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def core(devcluster):
+    return devcluster.core()
+
+
+@pytest.fixture
+def namespace(devcluster, core):
+    """A fresh namespace; its pods are force-deleted afterwards.
+
+    The namespace itself stays: finishing a namespace deletion is the job of
+    kube-controller-manager, which the dev cluster does not run.
+    """
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(body={"metadata": {"name": name}})
+    yield name
+    for pod in core.list_namespaced_pod(namespace=name).items:
+        core.delete_namespaced_pod(name=pod.metadata.name, namespace=name,
+                                   grace_period_seconds=0)
+
+
+@pytest.fixture
+def timeout():
+    return datetime.timedelta(seconds=30)

@@ -1,0 +1,304 @@
+"""The dev cluster against itself: real apiserver, real scheduler, kwok nodes.
+
+Each test checks an effect read back from the API (or from kubectl, where
+the printed columns are the point), and most check the opposite case too: a
+pod that must *not* schedule, an object that must be rejected. That way a
+helper that silently did nothing would fail here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from dynatrain.devcluster import nodes as dn
+from dynatrain.devcluster.build import ensure_built
+from dynatrain.devcluster.processes import wait_until
+
+pytestmark = pytest.mark.k8s
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "dynatrainjob.yaml"
+GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
+
+
+def gpu_pod(name: str, *, gpus: int, node: str | None = None,
+            tolerations: list[dict] | None = None) -> dict:
+    spec: dict = {
+        "containers": [{
+            "name": "worker", "image": "dynatrain/worker:dev",
+            "resources": {"limits": {dn.GPU_RESOURCE: str(gpus)}},
+        }],
+        "terminationGracePeriodSeconds": 5,
+    }
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    if tolerations:
+        spec["tolerations"] = tolerations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def wait_running(core, namespace: str, name: str, timeout: datetime.timedelta):
+    def running():
+        pod = core.read_namespaced_pod(name=name, namespace=namespace)
+        return pod if pod.status.phase == "Running" else None
+    return wait_until(f"pod {namespace}/{name} Running", running, timeout=timeout)
+
+
+def wait_unschedulable(core, namespace: str, name: str, timeout: datetime.timedelta):
+    """Wait until the scheduler has tried and failed to place the pod."""
+    def unschedulable():
+        pod = core.read_namespaced_pod(name=name, namespace=namespace)
+        return any(c.type == "PodScheduled" and c.status == "False"
+                   and c.reason == "Unschedulable" for c in (pod.status.conditions or []))
+    wait_until(f"pod {namespace}/{name} marked Unschedulable", unschedulable, timeout=timeout)
+    pod = core.read_namespaced_pod(name=name, namespace=namespace)
+    assert not pod.spec.node_name and pod.status.phase == "Pending"
+    return pod
+
+
+# -- nodes -------------------------------------------------------------------
+
+def test_nodes_ready_with_gpu_capacity(devcluster, core):
+    gpu_pool = devcluster.config.pools[0]
+    nodes = {n.metadata.name: n for n in core.list_node().items}
+    gpu_nodes = gpu_pool.node_names()
+    assert set(nodes) >= set(gpu_nodes) | {"cpu-node-0"}
+    for index, name in enumerate(gpu_nodes):
+        node = nodes[name]
+        assert dn.node_is_ready(node), node.status.conditions
+        assert node.status.allocatable[dn.GPU_RESOURCE] == str(gpu_pool.gpus_per_node)
+        assert node.metadata.labels[dn.NODE_INDEX_LABEL] == str(index)
+        assert node.metadata.labels[dn.INSTANCE_TYPE_LABEL] == "p5.48xlarge"
+    cpu_node = nodes["cpu-node-0"]
+    assert dn.node_is_ready(cpu_node)
+    assert dn.GPU_RESOURCE not in cpu_node.status.allocatable
+    assert cpu_node.status.allocatable["cpu"] == "16"
+
+
+def test_kubectl_sees_the_nodes(devcluster):
+    kubectl = ensure_built().path("kubectl")
+    out = subprocess.run(
+        [str(kubectl), "--kubeconfig", str(devcluster.kubeconfig), "get", "nodes",
+         "-l", f"{dn.INSTANCE_TYPE_LABEL}=p5.48xlarge", "-o", "name"],
+        capture_output=True, text=True, timeout=60, check=True)
+    expected = [f"node/{n}" for n in devcluster.config.pools[0].node_names()]
+    assert sorted(out.stdout.split()) == expected
+
+
+# -- the DynaTrainJob CRD ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def crd(devcluster):
+    api = client.ApiextensionsV1Api(devcluster.api_client())
+    manifest = yaml.safe_load(CRD_FILE.read_text())
+    api.create_custom_resource_definition(body=manifest)
+
+    def established():
+        obj = api.read_custom_resource_definition(name=manifest["metadata"]["name"])
+        return any(c.type == "Established" and c.status == "True"
+                   for c in (obj.status.conditions or []))
+    wait_until("CRD dynatrainjobs.dynatrain.io Established", established,
+               timeout=datetime.timedelta(seconds=30))
+    return manifest
+
+
+def job(name: str, **elastic) -> dict:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DynaTrainJob",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "dynatrain/worker:dev",
+            "command": ["python", "-m", "dynatrain.train"],
+            "model": {"preset": "gpt-1b"},
+            "resources": {"gpus": 8, "cpu": "32", "memory": "256Gi"},
+            "elastic": {"minWorkers": 1, "maxWorkers": 4, **elastic},
+            "parallelism": {"mode": "auto"},
+            "globalBatchSize": 512,
+            "agent": {"authSecret": "dtj-agent-token"},
+        },
+    }
+
+
+def test_crd_accepts_a_job_and_rejects_an_invalid_one(devcluster, crd, namespace):
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job("llama"))
+    stored = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llama")
+    # Defaults from the schema were applied by the apiserver.
+    assert stored["spec"]["agent"]["port"] == 50051
+    assert stored["spec"]["preemptionPolicy"] == "Switch"
+
+    with pytest.raises(ApiException) as err:
+        custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, job("bad", minWorkers=5, maxWorkers=2))
+    assert err.value.status == 422
+    assert "minWorkers must be <= elastic.maxWorkers" in json.loads(err.value.body)["message"]
+
+    with pytest.raises(ApiException) as err:
+        bad = job("bad-mode")
+        bad["spec"]["parallelism"] = {"mode": "sometimes"}
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, bad)
+    assert err.value.status == 422
+
+
+def test_crd_status_scale_and_printer_columns(devcluster, crd, namespace):
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job("gpt", workers=2))
+    # Status is a subresource: a status write through the main resource is ignored ...
+    custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "gpt", {"status": {"phase": "Failed"}},
+        _content_type="application/merge-patch+json")
+    assert "status" not in custom.get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "gpt")
+    # ... and only the status endpoint sets it.
+    custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, "gpt",
+        {"status": {"phase": "Running", "layout": "dp2-tp8", "workers": 2,
+                    "selector": "dynatrain.io/job=gpt"}},
+        _content_type="application/merge-patch+json")
+
+    # The scale subresource drives spec.elastic.workers.
+    custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, namespace, PLURAL, "gpt", {"spec": {"replicas": 3}},
+        _content_type="application/merge-patch+json")
+    obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "gpt")
+    assert obj["spec"]["elastic"]["workers"] == 3
+    scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, "gpt")
+    assert scale["status"]["replicas"] == 2
+
+    kubectl = ensure_built().path("kubectl")
+    out = subprocess.run(
+        [str(kubectl), "--kubeconfig", str(devcluster.kubeconfig), "-n", namespace,
+         "get", "dtj", "gpt"], capture_output=True, text=True, timeout=60, check=True)
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["NAME", "PHASE", "LAYOUT", "WORKERS", "AGE"]
+    assert row.split()[:4] == ["gpt", "Running", "dp2-tp8", "2"]
+
+
+# -- scheduling onto simulated GPU nodes -------------------------------------------
+
+def test_gpu_pods_are_scheduled_and_running(devcluster, core, namespace, timeout):
+    gpus_per_node = devcluster.config.pools[0].gpus_per_node
+    for i in range(2):
+        core.create_namespaced_pod(namespace=namespace,
+                                   body=gpu_pod(f"w{i}", gpus=gpus_per_node))
+    pods = [wait_running(core, namespace, f"w{i}", timeout) for i in range(2)]
+    hosts = {p.spec.node_name for p in pods}
+    # A full node's worth of GPUs each: they cannot share a node.
+    assert len(hosts) == 2 and all(h.startswith("gpu-node-") for h in hosts)
+    for pod in pods:
+        assert pod.status.pod_ip, f"{pod.metadata.name} has no pod IP"
+        assert all(cs.ready for cs in pod.status.container_statuses)
+
+    # No node has more GPUs than gpus_per_node: the scheduler must refuse.
+    core.create_namespaced_pod(namespace=namespace,
+                               body=gpu_pod("too-big", gpus=gpus_per_node + 1))
+    pod = wait_unschedulable(core, namespace, "too-big", timeout)
+    message = next(c.message for c in pod.status.conditions if c.type == "PodScheduled")
+    assert "Insufficient nvidia.com/gpu" in message
+
+
+def test_cordon_keeps_new_pods_off_and_uncordon_lets_them_in(core, namespace, timeout):
+    node = "gpu-node-0"
+    dn.cordon(core, node)
+    try:
+        assert core.read_node(name=node).spec.unschedulable is True
+        core.create_namespaced_pod(namespace=namespace, body=gpu_pod("p", gpus=1, node=node))
+        wait_unschedulable(core, namespace, "p", timeout)
+    finally:
+        dn.uncordon(core, node)
+    assert not core.read_node(name=node).spec.unschedulable
+    assert wait_running(core, namespace, "p", timeout).spec.node_name == node
+
+
+def test_termination_taint_repels_pods_without_toleration(core, namespace, timeout):
+    node = "gpu-node-1"
+    spot = dn.Taint(key=dn.SPOT_INTERRUPTION_TAINT, value="true", effect="NoSchedule")
+    dn.taint(core, node, spot)
+    try:
+        taints = core.read_node(name=node).spec.taints
+        assert [(t.key, t.value, t.effect) for t in taints] == [
+            (dn.SPOT_INTERRUPTION_TAINT, "true", "NoSchedule")]
+        core.create_namespaced_pod(namespace=namespace, body=gpu_pod("plain", gpus=1, node=node))
+        core.create_namespaced_pod(namespace=namespace, body=gpu_pod(
+            "tolerant", gpus=1, node=node,
+            tolerations=[{"key": dn.SPOT_INTERRUPTION_TAINT, "operator": "Exists"}]))
+        assert wait_running(core, namespace, "tolerant", timeout).spec.node_name == node
+        wait_unschedulable(core, namespace, "plain", timeout)
+
+        # A second taint adds to the first; re-adding one replaces, not duplicates.
+        gce = dn.Taint(key=dn.GCE_IMPENDING_TERMINATION_TAINT, effect="NoSchedule")
+        dn.taint(core, node, gce)
+        dn.taint(core, node, gce)
+        keys = sorted(t.key for t in core.read_node(name=node).spec.taints)
+        assert keys == sorted([dn.SPOT_INTERRUPTION_TAINT, dn.GCE_IMPENDING_TERMINATION_TAINT])
+    finally:
+        dn.untaint(core, node, dn.SPOT_INTERRUPTION_TAINT)
+        dn.untaint(core, node, dn.GCE_IMPENDING_TERMINATION_TAINT)
+    assert not core.read_node(name=node).spec.taints
+    assert wait_running(core, namespace, "plain", timeout).spec.node_name == node
+
+
+def test_add_and_delete_nodes(devcluster, core, namespace, timeout):
+    pool = dn.NodePool(count=2, gpus_per_node=4, name_prefix="spot", first_index=10,
+                       instance_type="g5.12xlarge", labels={"dynatrain.io/pool": "spot"})
+    names = devcluster.add_pool(pool)
+    assert names == ["spot-10", "spot-11"]
+    node = core.read_node(name="spot-11")
+    assert dn.node_is_ready(node)
+    assert node.status.allocatable[dn.GPU_RESOURCE] == "4"
+    assert node.metadata.labels["dynatrain.io/pool"] == "spot"
+    assert node.metadata.labels[dn.NODE_INDEX_LABEL] == "11"
+
+    core.create_namespaced_pod(namespace=namespace, body=gpu_pod("on-spot", gpus=4, node="spot-10"))
+    assert wait_running(core, namespace, "on-spot", timeout).spec.node_name == "spot-10"
+
+    dn.delete_node(core, "spot-10")
+    with pytest.raises(ApiException) as err:
+        core.read_node(name="spot-10")
+    assert err.value.status == 404
+    # A pod pinned to the deleted node now has nowhere to go.
+    core.create_namespaced_pod(namespace=namespace, body=gpu_pod("late", gpus=1, node="spot-10"))
+    wait_unschedulable(core, namespace, "late", timeout)
+    dn.delete_node(core, "spot-11")
+
+
+def test_disruption_target_condition_is_set(core, namespace, timeout):
+    core.create_namespaced_pod(namespace=namespace, body=gpu_pod("victim", gpus=1))
+    wait_running(core, namespace, "victim", timeout)
+    dn.set_disruption_target(core, namespace, "victim", reason="PreemptionByScheduler",
+                             message="preempted by a higher-priority job")
+    pod = core.read_namespaced_pod(name="victim", namespace=namespace)
+    conditions = {c.type: c for c in pod.status.conditions}
+    assert conditions["DisruptionTarget"].status == "True"
+    assert conditions["DisruptionTarget"].reason == "PreemptionByScheduler"
+    # The strategic merge added one condition and kept kwok's.
+    assert conditions["Ready"].status == "True"
+    assert pod.status.phase == "Running"
+
+
+def test_graceful_deletion_waits_for_the_grace_period(core, namespace, timeout):
+    core.create_namespaced_pod(namespace=namespace, body=gpu_pod("leaver", gpus=1))
+    wait_running(core, namespace, "leaver", timeout)
+    started = time.monotonic()
+    core.delete_namespaced_pod(name="leaver", namespace=namespace, grace_period_seconds=3)
+    pod = core.read_namespaced_pod(name="leaver", namespace=namespace)
+    assert pod.metadata.deletion_timestamp is not None
+
+    def gone():
+        try:
+            core.read_namespaced_pod(name="leaver", namespace=namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return True
+            raise
+        return False
+    wait_until("pod leaver to be deleted by kwok", gone, timeout=timeout)
+    assert time.monotonic() - started >= 2.0
