@@ -13,9 +13,10 @@ import sys
 from dynatrain import __version__
 from dynatrain.vps.layout import LayoutError
 from dynatrain.vps.model import ModelSpecError
+from dynatrain.trainer.config import ConfigError
 from dynatrain.vps.planner import PlanError
 
-USER_ERRORS = (LayoutError, ModelSpecError, PlanError)
+USER_ERRORS = (LayoutError, ModelSpecError, PlanError, ConfigError)
 
 
 class UsageError(ValueError):
@@ -23,7 +24,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dynatrain import plan_cmd
+    from dynatrain import plan_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="dynatrain",
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynatrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plan_cmd.register(sub)
+    train_cmd.register(sub)
     try:  # the local control plane for operator development (optional module)
         from dynatrain.devcluster import cli as devcluster_cli
     except ImportError:

@@ -89,6 +89,21 @@ def tp_box(tensor: ShardRule, tp: int, tp_index: int, ep: int, ep_rank: int) -> 
     return tuple(box)
 
 
+def zero_group(rule: ShardRule, dp: int, ep: int, dp_index: int) -> tuple[int, int]:
+    """(group size, index in it) of the ZeRO group that shards this tensor's flat states:
+    the DP group for dense tensors, the expert-DP group (dp // ep replicas) for experts."""
+    if rule.expert_dim is not None:
+        return dp // ep, dp_index // ep
+    return dp, dp_index
+
+
+def flat_shard_range(rule: ShardRule, local_numel: int, dp: int, ep: int, dp_index: int
+                     ) -> tuple[int, int]:
+    """The contiguous range of the flattened TP/EP-local tensor that ZeRO gives this rank."""
+    size, index = zero_group(rule, dp, ep, dp_index)
+    return even_split(local_numel, size, index)
+
+
 def is_flat_sharded(state: str, zero: int) -> bool:
     """Whether ZeRO shards this state as flat ranges over the (expert-)DP group."""
     return zero >= 3 or (zero >= 1 and state != "param")
@@ -106,9 +121,8 @@ def _pattern(t: ShardRule, state: str, dp: int, tp: int, ep: int, zero: int
         for ti in range(tp):
             box = tp_box(t, tp, ti, ep if expert else 1, ep_rank)
             if flat:
-                group, index = (dp // ep, j // ep) if expert else (dp, j)
                 extents = box_extents(box)
-                start, stop = even_split(box_numel(box), group, index)
+                start, stop = flat_shard_range(t, box_numel(box), dp, ep, j)
                 pieces, off = [], 0
                 origin = tuple(lo for lo, _ in box)
                 for rel in flat_range_boxes(extents, start, stop):

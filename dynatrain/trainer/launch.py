@@ -1,0 +1,205 @@
+"""Running a training job: worker processes on this machine, or one rank under torchrun.
+
+:func:`run_local` starts one process per rank (``torch.multiprocessing`` spawn, a TCP rendezvous
+on a free loopback port), gloo on CPU or NCCL when this machine has a GPU per rank, and streams
+rank 0's per-step results back through a queue so the caller can show live progress. Every
+wait has a timeout. :func:`main` is the torchrun entry point
+(``torchrun --nproc-per-node N -m dynatrain.trainer.launch --model M --layout L``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import queue as queue_mod
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dynatrain.vps.layout import bind
+
+from .config import TrainConfig, make_config
+from .groups import build_groups
+from .state import FullState, assemble_full, local_from_full
+from .trainer import LocalState, Trainer
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("DYNATRAIN_TRAIN_TIMEOUT_S", "900"))
+
+
+class TrainingFailed(RuntimeError):
+    """A worker process died or the job did not finish in time."""
+
+
+@dataclass
+class TrainResult:
+    model: str
+    layout: str
+    world: int
+    backend: str
+    losses: list[float]
+    step_seconds: list[float]
+    tokens_per_second: float
+    """Median over the steps after the first (the first pays one-off allocation costs)."""
+    full_state: FullState | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("full_state")
+        return out
+
+
+def pick_backend(requested: str, world: int) -> str:
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        return "nccl"
+    return "gloo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _worker(rank: int, world: int, config: TrainConfig, steps: int, port: int, backend: str,
+            results, want_state: bool, timeout_s: float, start: FullState | None) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = _device(backend, rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        bound = bind(config.layout, config.model)
+        groups = build_groups(bound, rank)
+        state = local_from_full(start, bound, rank) if start is not None else None
+        trainer = Trainer(config, groups, device=device, state=state)
+        for _ in range(steps):
+            r = trainer.train_step()
+            if rank == 0:
+                results.put(("step", (r.step, r.loss, r.seconds, r.tokens_per_second)))
+        if want_state:
+            st = trainer.local_state()
+            cpu = {k: (t.detach().cpu(), p) for k, (t, p) in st.tensors.items()}
+            # Bytes, not tensors: a queued tensor is a shared-memory handle that dies with
+            # this process if it exits before the parent has read it.
+            buf = io.BytesIO()
+            torch.save(LocalState(cpu, st.step, st.data_position), buf)
+            results.put(("state", buf.getvalue()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(config: TrainConfig, steps: int, *, backend: str = "auto", progress=None,
+              want_state: bool = False, start: FullState | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> TrainResult:
+    """Train ``steps`` steps with one process per rank on this machine.
+
+    ``start`` continues from a full training state (under any layout); ``want_state`` returns
+    the final full state in ``TrainResult.full_state``.
+    """
+    world = config.layout.world
+    backend = pick_backend(backend, world)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = mp.start_processes(
+        _worker, args=(world, config, steps, free_port(), backend, results, want_state,
+                       timeout_s, start),
+        nprocs=world, join=False, start_method="spawn")
+    losses, seconds, states = [], [], []
+    deadline = time.monotonic() + timeout_s
+    expected = steps + (world if want_state else 0)
+    while len(losses) + len(states) < expected:
+        try:
+            kind, payload = results.get(timeout=1.0)
+        except queue_mod.Empty:
+            if time.monotonic() > deadline:
+                _stop(procs)
+                raise TrainingFailed(f"training {config.layout.to_text()} did not finish "
+                                     f"within {timeout_s:.0f} s") from None
+            if any(p.exitcode not in (None, 0) for p in procs.processes):
+                _stop(procs)
+                codes = [p.exitcode for p in procs.processes]
+                raise TrainingFailed(f"a worker died (exit codes {codes}); its traceback is "
+                                     "printed above") from None
+            continue
+        if kind == "step":
+            step, loss, sec, tps = payload
+            losses.append(loss)
+            seconds.append(sec)
+            if progress:
+                progress(step, steps, loss, sec, tps)
+        else:
+            states.append(torch.load(io.BytesIO(payload), weights_only=False))
+    while not procs.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            _stop(procs)
+            raise TrainingFailed("workers did not exit after training")
+    later = seconds[1:] or seconds
+    tps = config.tokens_per_step / statistics.median(later) if later else 0.0
+    full = assemble_full(config.model, states) if want_state else None
+    return TrainResult(config.model.name, config.layout.to_text(), world, backend, losses,
+                       seconds, tps, full)
+
+
+def _stop(procs) -> None:
+    for p in procs.processes:
+        if p.is_alive():
+            p.terminate()
+    for p in procs.processes:
+        p.join(timeout=10)
+
+
+def main(argv=None) -> int:
+    """torchrun entry: one rank per process, rendezvous from torchrun's environment."""
+    parser = argparse.ArgumentParser(description="One rank of a DynaTrain training job "
+                                     "(run under torchrun).")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--layout", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args = parser.parse_args(argv)
+    config = make_config(args.model, args.layout, seed=args.seed,
+                         global_batch_size=args.global_batch_size,
+                         micro_batch_size=args.micro_batch_size)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.layout.world:
+        print(f"layout {config.layout.to_text()} needs {config.layout.world} processes, "
+              f"torchrun started {world}", file=sys.stderr)
+        return 2
+    backend = pick_backend(args.backend, world)
+    device = _device(backend, int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    try:
+        trainer = Trainer(config, build_groups(bind(config.layout, config.model), rank),
+                          device=device)
+        for _ in range(args.steps):
+            r = trainer.train_step()
+            if rank == 0:
+                print(f"step {r.step:>5}  loss {r.loss:.6f}  {r.tokens_per_second:,.0f} tok/s",
+                      flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""One pipeline stage of a GPT- or Llama-family transformer, over TP-local weights.
+
+``StageModel`` computes what its stage owns: the embedding on the first stage, its blocks,
+and the final norm, head and loss on the last. Weights are the rank's TP/EP-local tensors,
+keyed by logical tensor name; column-parallel weights are split by output rows, row-parallel
+ones by input columns (see :mod:`dynatrain.vps.mapping`), and the collectives of :mod:`.tp`
+join the pieces. With tp = ep = pp = 1 this is ordinary single-device training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dynatrain.vps.model import ModelSpec
+
+from .moe import moe_forward
+from .tp import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy, vocab_parallel_embedding
+
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+
+
+def rope_tables(seq_len: int, head_dim: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)                     # (T, hd)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, heads, hd); rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+class StageModel:
+    def __init__(self, model: ModelSpec, layers: range, *, first: bool, last: bool, groups,
+                 ep: int, vocab_start: int):
+        self.m, self.layers, self.first, self.last = model, layers, first, last
+        self.g, self.ep, self.vocab_start = groups, ep, vocab_start
+        self._rope = None
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _norm(self, x, w: dict, name: str):
+        if self.m.arch == "gpt":
+            return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], NORM_EPS)
+        return F.rms_norm(x, x.shape[-1:], w[f"{name}.weight"], NORM_EPS)
+
+    def _attention(self, h, w: dict, p: str):
+        B, T, _ = h.shape
+        m, tp = self.m, self.g.tp
+        x = copy_to_tp(h, tp)
+        q = F.linear(x, w[f"{p}.q.weight"], w.get(f"{p}.q.bias")).view(B, T, -1, m.head_dim)
+        k = F.linear(x, w[f"{p}.k.weight"], w.get(f"{p}.k.bias")).view(B, T, -1, m.head_dim)
+        v = F.linear(x, w[f"{p}.v.weight"], w.get(f"{p}.v.bias")).view(B, T, -1, m.head_dim)
+        if m.qk_norm:
+            q = F.rms_norm(q, q.shape[-1:], w[f"{p}.q_norm.weight"], NORM_EPS)
+            k = F.rms_norm(k, k.shape[-1:], w[f"{p}.k_norm.weight"], NORM_EPS)
+        if m.arch == "llama":
+            if self._rope is None or self._rope[0].shape[0] != T:
+                self._rope = rope_tables(T, m.head_dim, h.device, h.dtype)
+            q, k = apply_rope(q, *self._rope), apply_rope(k, *self._rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))              # (B, heads, T, hd)
+        if k.shape[1] != q.shape[1]:                                  # GQA
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        out = reduce_from_tp(F.linear(y, w[f"{p}.o.weight"]), tp)
+        return out + w[f"{p}.o.bias"] if f"{p}.o.bias" in w else out
+
+    def _mlp(self, h, w: dict, p: str):
+        tp = self.g.tp
+        if self.m.is_moe:
+            return moe_forward(h, w[f"{p}.moe.router.weight"], w[f"{p}.moe.experts.gate"],
+                               w[f"{p}.moe.experts.up"], w[f"{p}.moe.experts.down"],
+                               top_k=self.m.experts_top_k, num_experts=self.m.num_experts,
+                               tp_group=tp, ep_group=self.g.ep, ep=self.ep)
+        x = copy_to_tp(h, tp)
+        if self.m.arch == "gpt":
+            a = F.gelu(F.linear(x, w[f"{p}.mlp.fc1.weight"], w[f"{p}.mlp.fc1.bias"]),
+                       approximate="tanh")
+            return reduce_from_tp(F.linear(a, w[f"{p}.mlp.fc2.weight"]), tp) + w[f"{p}.mlp.fc2.bias"]
+        a = F.silu(F.linear(x, w[f"{p}.mlp.gate.weight"])) * F.linear(x, w[f"{p}.mlp.up.weight"])
+        return reduce_from_tp(F.linear(a, w[f"{p}.mlp.down.weight"]), tp)
+
+    # -- the stage -----------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor, w: dict) -> torch.Tensor:
+        x = vocab_parallel_embedding(tokens, w["embed.tokens"], self.vocab_start, self.g.tp)
+        if "embed.positions" in w:
+            x = x + w["embed.positions"][: tokens.shape[1]]
+        return x
+
+    def blocks(self, x: torch.Tensor, w: dict) -> torch.Tensor:
+        for i in self.layers:
+            p = f"layers.{i}"
+            x = x + self._attention(self._norm(x, w, f"{p}.attn_norm"), w, f"{p}.attn")
+            x = x + self._mlp(self._norm(x, w, f"{p}.mlp_norm"), w, p)
+        return x
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, w: dict) -> torch.Tensor:
+        x = self._norm(x, w, "final_norm")
+        head = w["embed.tokens"] if self.m.tie_embeddings else w["head.weight"]
+        logits = F.linear(copy_to_tp(x, self.g.tp), head)            # (B, T, V_local)
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                            self.vocab_start, self.g.tp)

@@ -1,0 +1,68 @@
+"""Mixture-of-experts layer: dropless top-k routing and expert-parallel token dispatch.
+
+Routing is dropless (no capacity factor), so which tokens an expert sees never depends on how
+the batch is split across ranks: the layer computes the same function under every layout. With
+ep > 1 each rank owns ``E / ep`` consecutive experts; tokens travel to their experts' owners and
+back through torch's differentiable all-to-all (``all_to_all_single_autograd`` from the
+functional collectives, which torch's deprecation notice for ``torch.distributed.nn``'s version
+points to), grouped by destination.
+
+Under TP every rank holds a slice of every local expert's FFN width, so expert outputs are
+partial sums. They are summed across TP *before* being weighted by the routing probabilities:
+that way every TP rank sees the full expert output and computes the same router gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from .tp import copy_to_tp, reduce_from_tp
+
+
+def _expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor, *, top_k: int, num_experts: int, tp_group, ep_group,
+                ep: int) -> torch.Tensor:
+    """h: (B, T, H) replicated over TP; gate/up: (E_local, F_local, H); down: (E_local, H, F_local)."""
+    B, T, H = h.shape
+    x = h.reshape(-1, H)                                             # (N, H)
+    N, k = x.shape[0], top_k
+    probs = F.softmax(F.linear(x, router).float(), dim=-1)           # (N, E)
+    weights, experts = probs.topk(k, dim=-1)                         # (N, k)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
+
+    pair_expert = experts.reshape(-1)                                # (N*k,), token-major
+    order = torch.argsort(pair_expert, stable=True)
+    sorted_expert = pair_expert[order]
+    tokens = copy_to_tp(x, tp_group)[order // k]                     # (P, H) sorted by expert
+    e_local = num_experts // ep
+
+    if ep > 1:
+        counts = torch.bincount(sorted_expert, minlength=num_experts)            # (E,)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=ep_group)              # (ep*E_local,)
+        send_splits = counts.view(ep, e_local).sum(dim=1).tolist()
+        recv_splits = recv_counts.view(ep, e_local).sum(dim=1).tolist()
+        received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, ep_group)
+        local_expert = torch.repeat_interleave(
+            torch.arange(e_local, device=h.device).repeat(ep), recv_counts)
+    else:
+        received, local_expert = tokens, sorted_expert
+
+    by_expert = torch.argsort(local_expert, stable=True)
+    sizes = torch.bincount(local_expert, minlength=e_local).tolist()
+    segments = received[by_expert].split(sizes)
+    outputs = torch.cat([_expert_ffn(seg, gate[e], up[e], down[e])
+                         for e, seg in enumerate(segments)])
+    outputs = outputs[torch.argsort(by_expert)]                      # back to arrival order
+
+    if ep > 1:
+        outputs = funcol.all_to_all_single_autograd(outputs, send_splits, recv_splits, ep_group)
+    outputs = reduce_from_tp(outputs[torch.argsort(order)], tp_group)  # (N*k, H), pair order
+    return (outputs.view(N, k, H) * weights.unsqueeze(-1)).sum(dim=1).view(B, T, H)

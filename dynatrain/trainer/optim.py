@@ -1,0 +1,82 @@
+"""Gradient reduction and the (ZeRO-sharded) AdamW step.
+
+Gradients are first summed where the model shares a weight across ranks (replicated GQA kv
+heads over their TP subgroup, the tied embedding between first and last stage), then over data
+parallelism: dense tensors over the DP group, experts over the expert-DP group, one bucketed
+all-reduce per group. The optimizer is ``torch.optim.AdamW`` itself, run on each rank's master
+tensors: the whole TP-local tensor without ZeRO, or the rank's contiguous flat range of it with
+ZeRO (``flat_shard_range``, the same rule the mapping uses). AdamW is elementwise, so sharding
+it changes nothing in the numbers. After the step, ZeRO-1 reassembles full parameters with one
+bucketed all-reduce of zero-padded shards (exact: adding zeros is exact), which works on gloo,
+whose reduce-scatter and uneven all-gather support is incomplete, as well as on NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def fill_missing_grads(working: dict[str, torch.Tensor]) -> None:
+    """A weight no token reached (an idle expert) still takes part in every collective."""
+    for w in working.values():
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+
+
+def all_reduce_bucket(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place with one collective."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def reduce_gradients(working: dict[str, torch.Tensor], specs: dict, groups) -> None:
+    grads = {n: w.grad for n, w in working.items()}
+    if groups.kv is not None:
+        all_reduce_bucket([g for n, g in grads.items() if specs[n].tp_replicable], groups.kv)
+    if groups.embed is not None and "embed.tokens" in grads:
+        all_reduce_bucket([grads["embed.tokens"]], groups.embed)
+    dense = [g for n, g in grads.items() if specs[n].expert_dim is None]
+    expert = [g for n, g in grads.items() if specs[n].expert_dim is not None]
+    all_reduce_bucket(dense, groups.dp)
+    all_reduce_bucket(expert, groups.edp)
+
+
+def make_optimizer(masters: dict[str, torch.Tensor], specs: dict, cfg) -> torch.optim.AdamW:
+    decay = [m for n, m in masters.items() if len(specs[n].shape) >= 2]
+    no_decay = [m for n, m in masters.items() if len(specs[n].shape) < 2]
+    # foreach=False: the per-tensor kernel, so the single-process reference uses the same math.
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+
+
+def gather_flat_shards(working: dict[str, torch.Tensor], masters: dict[str, torch.Tensor],
+                       ranges: dict[str, tuple[int, int]], names: list[str], group) -> None:
+    """Rebuild each TP-local parameter from the ZeRO shards of its group (ZeRO-1)."""
+    if group is None:
+        for n in names:
+            working[n].data.copy_(masters[n].view_as(working[n]))
+        return
+    if not names:
+        return
+    sizes = [working[n].numel() for n in names]
+    flat = working[names[0]].new_zeros(sum(sizes))
+    offset = 0
+    for n, size in zip(names, sizes):
+        a, b = ranges[n]
+        flat[offset + a:offset + b] = masters[n]
+        offset += size
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for n, size in zip(names, sizes):
+        working[n].data.copy_(flat[offset:offset + size].view_as(working[n]))
+        offset += size

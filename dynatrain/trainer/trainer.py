@@ -1,0 +1,258 @@
+"""The trainer of one rank: state allocated from the VPS mapping, a GPipe step, state in and out.
+
+Allocation follows :func:`dynatrain.vps.mapping.rank_shards` literally: for every (tensor,
+state) the rank holds, a local tensor of the mapping's ``local_shape`` is filled piece by piece
+(``local[piece.local] = full[piece.box]``). The same pieces describe the state when it leaves
+(:meth:`Trainer.local_state`), and a trainer can be built from local tensors that a switch
+delivered (``Trainer(..., state=...)``), so the layout the planner reasons about is the layout
+that runs.
+
+Compute uses each tensor's TP/EP-local *working* weight: the parameter itself without ZeRO-3,
+or (ZeRO-3) one gathered from the flat shards at the start of the step and dropped after it.
+The step is GPipe: every micro-batch forward through the stage (activations to the next stage),
+then every backward in reverse (gradients to the previous stage), then gradient reduction and
+AdamW (see :mod:`.optim`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dynatrain.vps.boxes import box_extents, box_numel
+from dynatrain.vps.layout import bind
+from dynatrain.vps.mapping import Piece, flat_shard_range, rank_shards, tp_box
+
+from .config import TrainConfig
+from .data import micro_batches, token_source
+from .model import StageModel
+from .optim import (fill_missing_grads, gather_flat_shards, make_optimizer, reduce_gradients)
+from .weights import TORCH_DTYPES, initial_tensor
+
+
+def _slices(box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+@dataclass
+class LocalState:
+    """Everything one rank holds of the training state, described by the mapping's pieces."""
+
+    tensors: dict[tuple[str, str], tuple[torch.Tensor, tuple[Piece, ...]]]
+    """(tensor name, state kind) -> (local tensor, pieces)."""
+    step: int
+    data_position: int
+    """Global index of the next sample the data stream will produce."""
+    rng: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    seconds: float
+    tokens_per_second: float
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, groups, *, device: torch.device | None = None,
+                 state: LocalState | None = None):
+        self.cfg = config
+        self.model = config.model
+        self.bound = bind(config.layout, config.model)
+        self.g = groups
+        self.device = device or torch.device("cpu")
+        lay = self.bound.layout
+        self.lay = lay
+        self.zero = lay.zero
+        self.dtype = TORCH_DTYPES[self.model.dtype]
+        self.fp32 = self.model.dtype == "float32"
+        stage, j, t = lay.coords(groups.rank)
+        self.shards = {(rs.tensor.name, rs.state): rs for rs in rank_shards(self.bound, groups.rank)}
+        self.specs = {name: rs.tensor for (name, _), rs in self.shards.items()}
+        self.boxes, self.ranges = {}, {}
+        for name, spec in self.specs.items():
+            expert = spec.expert_dim is not None
+            box = tp_box(spec.rule, lay.tp, t, lay.ep if expert else 1, j % lay.ep if expert else 0)
+            self.boxes[name] = box
+            self.ranges[name] = flat_shard_range(spec.rule, box_numel(box), lay.dp, lay.ep, j)
+
+        local = self._allocate(state)
+        self.params = {n: local[(n, "param")] for n in self.specs}
+        if self.zero < 3:
+            self.working = self.params
+            for w in self.working.values():
+                w.requires_grad_(True)
+        else:
+            self.working = {}
+        self.masters = self._masters(local)
+        self.optimizer = make_optimizer(self.masters, self.specs, config)
+        if state is not None:
+            self._load_moments(local, state.step)
+        self.step = state.step if state else 0
+        self.position = state.data_position if state else 0
+        if state and state.rng.get("cpu") is not None:
+            torch.set_rng_state(state.rng["cpu"])
+
+        self.source = token_source(config.data, self.model.vocab_size, config.seq_len,
+                                   config.seed)
+        vocab_box = self.boxes.get("embed.tokens") or self.boxes.get("head.weight")
+        self.stage = StageModel(self.model, self.bound.stage_layers(stage),
+                                first=groups.first_stage, last=groups.last_stage, groups=groups,
+                                ep=lay.ep, vocab_start=vocab_box[0][0] if vocab_box else 0)
+        self._dense = [n for n, s in self.specs.items() if s.expert_dim is None]
+        self._expert = [n for n, s in self.specs.items() if s.expert_dim is not None]
+
+    # -- allocation --------------------------------------------------------------------------
+    def _allocate(self, state: LocalState | None) -> dict[tuple[str, str], torch.Tensor]:
+        """Local tensors for every (tensor, state) the mapping gives this rank."""
+        out = {}
+        for key, rs in self.shards.items():
+            if state is not None:
+                if key not in state.tensors:
+                    raise KeyError(f"state for layout {self.lay.to_text()} lacks {key[0]} "
+                                   f"({key[1]}) on rank {self.g.rank}")
+                tensor = state.tensors[key][0].to(self.device)
+                if tuple(tensor.shape) != tuple(rs.local_shape):
+                    raise ValueError(f"{key[0]} ({key[1]}) on rank {self.g.rank}: got shape "
+                                     f"{tuple(tensor.shape)}, the mapping says {rs.local_shape}")
+                out[key] = tensor
+            elif rs.state in ("param", "master"):
+                full = initial_tensor(self.model, rs.tensor, self.cfg.seed)
+                dtype = self.dtype if rs.state == "param" else torch.float32
+                local = torch.empty(rs.local_shape, dtype=dtype)
+                for piece in rs.pieces:
+                    dst = local[_slices(piece.local)]
+                    dst.copy_(full[_slices(piece.box)].reshape(dst.shape))
+                out[key] = local.to(self.device)
+        return out
+
+    def _masters(self, local) -> dict[str, torch.Tensor]:
+        """The fp32 tensors AdamW updates: a TP-local tensor, or this rank's flat ZeRO range."""
+        masters = {}
+        for n in self.specs:
+            if (n, "master") in local:
+                masters[n] = local[(n, "master")]
+            elif self.zero == 0 or self.zero == 3:
+                masters[n] = self.params[n]          # fp32: the parameter is its own master
+            else:
+                a, b = self.ranges[n]
+                masters[n] = self.params[n].detach().reshape(-1)[a:b].clone()
+        return masters
+
+    def _load_moments(self, local, step: int) -> None:
+        for n, master in self.masters.items():
+            st = self.optimizer.state[master]
+            st["step"] = torch.tensor(float(step))
+            st["exp_avg"] = local[(n, "exp_avg")]
+            st["exp_avg_sq"] = local[(n, "exp_avg_sq")]
+
+    # -- the step ----------------------------------------------------------------------------
+    def _gather_zero3(self) -> None:
+        """ZeRO-3: TP-local working weights from every rank's flat shard, for this step."""
+        self.working = {n: torch.zeros(box_extents(self.boxes[n]), dtype=self.dtype,
+                                       device=self.device) for n in self.specs}
+        masters = {n: self.params[n] for n in self.specs}
+        gather_flat_shards(self.working, masters, self.ranges, self._dense, self.g.dp)
+        gather_flat_shards(self.working, masters, self.ranges, self._expert, self.g.edp)
+        for w in self.working.values():
+            w.requires_grad_(True)
+
+    def _activation_shape(self) -> tuple[int, int, int]:
+        return (self.cfg.micro_batch_size, self.cfg.seq_len, self.model.hidden_size)
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        if self.zero == 3:
+            self._gather_zero3()
+        for w in self.working.values():
+            w.grad = None
+        cfg, g, stage, w = self.cfg, self.g, self.stage, self.working
+        batches = micro_batches(self.source, self.position, cfg.global_batch_size,
+                                self.lay.dp, g.dp_index, cfg.micro_batch_size)
+        scale = 1.0 / (len(batches) * self.lay.dp)
+        saved, losses = [], []
+        for inputs, targets in batches:                       # forward, all micro-batches
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            if g.first_stage:
+                x = stage.embed(inputs, w)
+            else:
+                x = torch.empty(self._activation_shape(), dtype=self.dtype, device=self.device)
+                dist.recv(x, g.prev_rank)
+                x.requires_grad_(True)
+            y = stage.blocks(x, w)
+            if g.last_stage:
+                loss = stage.loss(y, targets, w)
+                losses.append(loss.detach())
+                saved.append((x, loss * scale))
+            else:
+                dist.send(y.detach().contiguous(), g.next_rank)
+                saved.append((x, y))
+        for x, y in reversed(saved):                          # backward, reverse order
+            if g.last_stage:
+                y.backward()
+            else:
+                grad = torch.empty_like(y)
+                dist.recv(grad, g.next_rank)
+                y.backward(grad)
+            if not g.first_stage:
+                dist.send(x.grad.contiguous(), g.prev_rank)
+
+        fill_missing_grads(self.working)
+        reduce_gradients(self.working, self.specs, g)
+        self._optimizer_step()
+        self.step += 1
+        self.position += cfg.global_batch_size
+
+        report = torch.zeros((), dtype=torch.float32, device=self.device)
+        if g.last_stage and g.tp_index == 0:
+            report += torch.stack(losses).float().mean()
+        dist.all_reduce(report)                               # every rank learns the loss
+        loss = float(report) / self.lay.dp
+        seconds = time.perf_counter() - t0
+        return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds)
+
+    def _optimizer_step(self) -> None:
+        for n, master in self.masters.items():
+            grad = self.working[n].grad
+            if self.zero == 0:
+                master.grad = grad if self.fp32 else grad.float()
+            else:
+                a, b = self.ranges[n]
+                master.grad = grad.reshape(-1)[a:b].float()
+        with torch.no_grad():
+            self.optimizer.step()
+            if self.zero == 0 and not self.fp32:
+                for n in self.specs:
+                    self.params[n].copy_(self.masters[n])
+            elif self.zero == 1:
+                gather_flat_shards(self.working, self.masters, self.ranges, self._dense, self.g.dp)
+                gather_flat_shards(self.working, self.masters, self.ranges, self._expert,
+                                   self.g.edp)
+            elif self.zero == 3 and not self.fp32:
+                for n in self.specs:
+                    self.params[n].copy_(self.masters[n])
+        for master in self.masters.values():
+            master.grad = None
+        if self.zero == 3:
+            self.working = {}                                 # ZeRO-3 keeps only shards at rest
+
+    # -- state out ---------------------------------------------------------------------------
+    def local_state(self) -> LocalState:
+        """This rank's training state, each local tensor with the mapping's pieces."""
+        tensors = {}
+        for (n, state), rs in self.shards.items():
+            master = self.masters[n]
+            if state == "param":
+                t = self.params[n].detach()
+            elif state == "master":
+                t = master.detach()
+            else:
+                t = self.optimizer.state.get(master, {}).get(state)
+                if t is None:                                  # before the first step
+                    t = torch.zeros_like(master.detach())
+            tensors[(n, state)] = (t, rs.pieces)
+        return LocalState(tensors, self.step, self.position, {"cpu": torch.get_rng_state()})
