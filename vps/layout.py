@@ -238,6 +238,11 @@ class BoundLayout:
             stage_of_layer.extend([s] * n)
         self.stage_of_layer = tuple(stage_of_layer)
         self.rank_of_device = {d: r for r, d in enumerate(layout.device_of)}
+        # stage_devices[s][j * tp + t] = device of rank (s, j, t): the planner's hot lookup.
+        self.stage_devices = tuple(
+            tuple(layout.device_of[layout.rank(s, j, t)]
+                  for j in range(layout.dp) for t in range(layout.tp))
+            for s in range(layout.pp))
 
     def __getattr__(self, name):  # dp, tp, rank(), device_of, ... come from the layout
         return getattr(self.layout, name)

@@ -51,6 +51,8 @@ class Shard(NamedTuple):
     """(dp index, tp index) of every rank in the stage that holds this shard."""
     local_shape: tuple[int, ...]
     """Shape of a holder's local tensor for this state (1-d for a ZeRO shard)."""
+    slots: tuple[int, ...]
+    """The holders as ``dp_index * tp + tp_index``: their places in a stage's device list."""
 
 
 def model_states(model: ModelSpec) -> tuple[str, ...]:
@@ -136,7 +138,8 @@ def _pattern(t: ShardRule, state: str, dp: int, tp: int, ep: int, zero: int
                 local_shape = box_extents(box)
             by_pieces.setdefault(key, []).append((j, ti))
             local_shapes[key] = local_shape
-    return tuple(Shard(k, tuple(v), local_shapes[k]) for k, v in by_pieces.items())
+    return tuple(Shard(k, tuple(v), local_shapes[k], tuple(j * tp + ti for j, ti in v))
+                 for k, v in by_pieces.items())
 
 
 def shard_pattern(tensor: TensorSpec, state: str, layout) -> tuple[Shard, ...]:

@@ -111,10 +111,14 @@ def tensor_groups(model: ModelSpec, old: BoundLayout, new: BoundLayout) -> list[
 def _placed(bound: BoundLayout, tensor: TensorSpec, state: str, stages: tuple[int, ...]
             ) -> list[_Placed]:
     """The state's distinct shards on ``stages``, each with the devices holding it."""
-    dev = bound.device_of
+    grids = [bound.stage_devices[s] for s in stages]
     out = []
     for shard in shard_pattern(tensor, state, bound.layout):
-        devices = tuple(dev[bound.rank(s, j, t)] for s in stages for j, t in shard.holders)
+        if len(grids) == 1:
+            grid = grids[0]
+            devices = tuple([grid[i] for i in shard.slots])
+        else:
+            devices = tuple([g[i] for g in grids for i in shard.slots])
         out.append(_Placed(shard.pieces, devices))
     return out
 
