@@ -16,13 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $@
 
-# The main job. Until the local runner lands: train a small job under one layout, then plan
-# live switches: a small job in full detail (checked element by element), then a 1024-GPU
-# Qwen3 job losing a pipeline stage.
+# The main job. Until the local runner lands: a small job trains, switches layout live
+# (checked bit for bit against PyTorch Distributed Checkpoint, compared with checkpoint-and-
+# restart) and trains on; then the plan of a 1024-GPU Qwen3 job losing a pipeline stage.
 demo: setup
-	$(BIN)/dynatrain train --model gpt-tiny --layout dp=2,tp=2 --steps 20
-	@echo
-	$(BIN)/dynatrain plan --model gpt-tiny --from dp=2,pp=2,zero=1 --to tp=2,dp=3,zero=1 --verify
+	$(BIN)/dynatrain bench switch --model gpt-tiny --from dp=2,zero=1 --to tp=2,pp=2
 	@echo
 	$(BIN)/dynatrain plan --model qwen3-235b-a22b --from tp=4,pp=8,dp=32,ep=32,zero=1 --to tp=4,pp=7,dp=32,ep=32,zero=1
 

@@ -24,7 +24,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dynatrain import plan_cmd, train_cmd
+    from dynatrain import bench_switch, plan_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="dynatrain",
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plan_cmd.register(sub)
     train_cmd.register(sub)
+    bench_switch.register(sub)
     try:  # the local control plane for operator development (optional module)
         from dynatrain.devcluster import cli as devcluster_cli
     except ImportError:

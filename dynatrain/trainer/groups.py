@@ -1,14 +1,18 @@
 """Process groups of one layout: tp, dp, expert-dp, ep, pipeline neighbours, and two small ones.
 
-Every rank creates every group, in the same order (torch.distributed requires that), but keeps
-only the ones it belongs to. Groups of one rank are None: collectives over them are skipped.
+Every rank asks for every group, in the same order (``torch.distributed.new_group`` requires
+that), but keeps only the ones it belongs to. Groups of one rank are None: collectives over
+them are skipped. ``pp`` joins a (dp, tp) position's ranks across stages, in stage order, so
+activations travel with the group's own send/recv by stage index; ``world`` carries the loss.
 The two small groups carry gradients the model's structure shares: ``embed`` ties the input
 embedding on the first pipeline stage to its replica on the last; ``kv`` joins the TP ranks that
 hold the same replicated GQA kv head (when tp exceeds the kv heads), whose gradients must be
 summed because each rank's share comes from different query heads.
 
-``make_group`` is injectable so that the elastic device manager can build the same groups from
-a rendezvous store with a per-generation prefix instead of the default world.
+``make_group(kind, ranks)`` is injectable so that the elastic device manager can build the same
+groups from a rendezvous store with a per-generation prefix instead of the default world; the
+trainer only uses the groups' own methods and ``dist`` collectives that take a group object, so
+such unregistered groups work.
 """
 
 from __future__ import annotations
@@ -33,17 +37,18 @@ class ParallelGroups:
     ep: object = None
     embed: object = None
     kv: object = None
-    prev_rank: int | None = None
-    """Global rank of the previous pipeline stage's peer (same dp, tp), or None on stage 0."""
-    next_rank: int | None = None
+    pp: object = None
+    """This (dp, tp) position's ranks across stages; its rank i is stage i."""
+    world: object = None
+    pp_size: int = 1
 
     @property
     def first_stage(self) -> bool:
-        return self.prev_rank is None
+        return self.pp_index == 0
 
     @property
     def last_stage(self) -> bool:
-        return self.next_rank is None
+        return self.pp_index == self.pp_size - 1
 
 
 def group_rank_lists(bound: BoundLayout) -> list[tuple[str, list[int]]]:
@@ -70,24 +75,26 @@ def group_rank_lists(bound: BoundLayout) -> list[tuple[str, list[int]]]:
         for j in range(lay.dp):
             for t in range(lay.tp):
                 out.append(("embed", [r(0, j, t), r(lay.pp - 1, j, t)]))
+    for j in range(lay.dp):
+        for t in range(lay.tp):
+            out.append(("pp", [r(p, j, t) for p in range(lay.pp)]))
+    out.append(("world", list(range(lay.world))))
     return out
 
 
 def build_groups(bound: BoundLayout, rank: int,
-                 make_group: Callable[[list[int]], object] | None = None) -> ParallelGroups:
-    """Create the layout's groups (collective: every rank of the world must call it)."""
-    make_group = make_group or (lambda ranks: dist.new_group(ranks))
+                 make_group: Callable[[str, list[int]], object] | None = None
+                 ) -> ParallelGroups:
+    """Create the layout's groups. With the default ``make_group`` (``dist.new_group``) this
+    is collective: every rank of the default world must call it."""
+    make_group = make_group or (lambda kind, ranks: dist.new_group(ranks))
     lay = bound.layout
     p, j, t = lay.coords(rank)
-    groups = ParallelGroups(rank=rank, pp_index=p, dp_index=j, tp_index=t)
+    groups = ParallelGroups(rank=rank, pp_index=p, dp_index=j, tp_index=t, pp_size=lay.pp)
     for kind, ranks in group_rank_lists(bound):
         if len(ranks) == 1:
             continue
-        handle = make_group(ranks)
+        handle = make_group(kind, ranks)
         if rank in ranks:
             setattr(groups, kind, handle)
-    if p > 0:
-        groups.prev_rank = lay.rank(p - 1, j, t)
-    if p < lay.pp - 1:
-        groups.next_rank = lay.rank(p + 1, j, t)
     return groups

@@ -3,9 +3,11 @@
 Routing is dropless (no capacity factor), so which tokens an expert sees never depends on how
 the batch is split across ranks: the layer computes the same function under every layout. With
 ep > 1 each rank owns ``E / ep`` consecutive experts; tokens travel to their experts' owners and
-back through torch's differentiable all-to-all (``all_to_all_single_autograd`` from the
-functional collectives, which torch's deprecation notice for ``torch.distributed.nn``'s version
-points to), grouped by destination.
+back through ``dist.all_to_all_single`` grouped by destination, wrapped in a two-line autograd
+function (the backward is the same exchange with the splits swapped). torch's differentiable
+versions (``torch.distributed.nn`` is deprecated; the functional collectives) need groups
+registered with the default world, and the elastic device manager's per-generation groups are
+not.
 
 Under TP every rank holds a slice of every local expert's FFN width, so expert outputs are
 partial sums. They are summed across TP *before* being weighted by the routing probabilities:
@@ -16,10 +18,25 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from .tp import copy_to_tp, reduce_from_tp
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
 
 
 def _expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
@@ -49,7 +66,7 @@ def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: t
         dist.all_to_all_single(recv_counts, counts, group=ep_group)              # (ep*E_local,)
         send_splits = counts.view(ep, e_local).sum(dim=1).tolist()
         recv_splits = recv_counts.view(ep, e_local).sum(dim=1).tolist()
-        received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, ep_group)
+        received = _AllToAll.apply(tokens, recv_splits, send_splits, ep_group)
         local_expert = torch.repeat_interleave(
             torch.arange(e_local, device=h.device).repeat(ep), recv_counts)
     else:
@@ -63,6 +80,6 @@ def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: t
     outputs = outputs[torch.argsort(by_expert)]                      # back to arrival order
 
     if ep > 1:
-        outputs = funcol.all_to_all_single_autograd(outputs, send_splits, recv_splits, ep_group)
+        outputs = _AllToAll.apply(outputs, send_splits, recv_splits, ep_group)
     outputs = reduce_from_tp(outputs[torch.argsort(order)], tp_group)  # (N*k, H), pair order
     return (outputs.view(N, k, H) * weights.unsqueeze(-1)).sum(dim=1).view(B, T, H)

@@ -33,6 +33,19 @@ from .optim import (fill_missing_grads, gather_flat_shards, make_optimizer, redu
 from .weights import TORCH_DTYPES, initial_tensor
 
 
+def warm_up() -> None:
+    """Pay torch's one-off lazy initialisation (optimizer machinery, autograd) now.
+
+    A joiner waits in standby and then builds its first trainer inside the switch pause; in a
+    fresh process that first construction costs about a second of lazy setup, so standby
+    devices call this while they wait.
+    """
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.AdamW([w], lr=1e-3, foreach=False)
+    (w * 2).sum().backward()
+    opt.step()
+
+
 def _slices(box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
@@ -181,7 +194,7 @@ class Trainer:
                 x = stage.embed(inputs, w)
             else:
                 x = torch.empty(self._activation_shape(), dtype=self.dtype, device=self.device)
-                dist.recv(x, g.prev_rank)
+                g.pp.recv([x], g.pp_index - 1, 0).wait()
                 x.requires_grad_(True)
             y = stage.blocks(x, w)
             if g.last_stage:
@@ -189,17 +202,17 @@ class Trainer:
                 losses.append(loss.detach())
                 saved.append((x, loss * scale))
             else:
-                dist.send(y.detach().contiguous(), g.next_rank)
+                g.pp.send([y.detach().contiguous()], g.pp_index + 1, 0).wait()
                 saved.append((x, y))
         for x, y in reversed(saved):                          # backward, reverse order
             if g.last_stage:
                 y.backward()
             else:
                 grad = torch.empty_like(y)
-                dist.recv(grad, g.next_rank)
+                g.pp.recv([grad], g.pp_index + 1, 1).wait()
                 y.backward(grad)
             if not g.first_stage:
-                dist.send(x.grad.contiguous(), g.prev_rank)
+                g.pp.send([x.grad.contiguous()], g.pp_index - 1, 1).wait()
 
         fill_missing_grads(self.working)
         reduce_gradients(self.working, self.specs, g)
@@ -210,7 +223,8 @@ class Trainer:
         report = torch.zeros((), dtype=torch.float32, device=self.device)
         if g.last_stage and g.tp_index == 0:
             report += torch.stack(losses).float().mean()
-        dist.all_reduce(report)                               # every rank learns the loss
+        if g.world is not None:                               # every rank learns the loss
+            dist.all_reduce(report, group=g.world)
         loss = float(report) / self.lay.dp
         seconds = time.perf_counter() - t0
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds)

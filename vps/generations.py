@@ -1,0 +1,107 @@
+"""The elastic device manager: numbered generations of worlds, built from a rendezvous store.
+
+A generation is one layout's world. Its process groups are built straight from the rendezvous
+store under a per-generation prefix (``dynatrain/gen{g}/{name}``), by their members only, with
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` constructed directly: no collective over a fixed
+default world is needed, so devices that were not in the previous world (joiners) can take
+part, and construction can run in a background thread while the old world keeps training.
+
+:meth:`DeviceManager.prepare` does all of a switch's work that does not need the training to
+stop, in the background: plan (the full plan, which every device computes identically), the
+round schedule, the transition group over old ∪ new devices, and, through a caller-supplied
+callback, the new layout's own groups. The training pause is then only the transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from .layout import Layout
+from .model import ModelSpec
+from .planner import Plan, plan_switch
+from .transition import Message, schedule_rounds
+
+
+class GenerationError(RuntimeError):
+    """A generation's groups could not be built (a member never arrived, a timeout)."""
+
+
+@dataclass
+class PreparedSwitch:
+    generation: int
+    plan: Plan
+    rounds: list[list[Message]]
+    transition_group: object | None
+    group_rank: dict[int, int]
+    """Device -> rank in the transition group."""
+    new_rank: int | None
+    """This device's rank in the new layout, or None if it leaves."""
+    extra: object = None
+    """Whatever the caller's callback built (the trainer's groups for the new layout)."""
+    seconds: float = 0.0
+
+
+class DeviceManager:
+    def __init__(self, store, device: int, *, backend: str = "gloo",
+                 timeout: timedelta = timedelta(seconds=60)):
+        self.store, self.device, self.backend, self.timeout = store, device, backend, timeout
+
+    def build_group(self, generation: int, name: str, members: list[int]):
+        """The group of ``members`` (devices, in rank order); None if this device is not one."""
+        if self.device not in members:
+            return None
+        store = dist.PrefixStore(f"dynatrain/gen{generation}/{name}", self.store)
+        rank, size = members.index(self.device), len(members)
+        try:
+            if self.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                return dist.ProcessGroupNCCL(store, rank, size, opts)
+            return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+        except Exception as e:  # a member never arrived: name the group and its members
+            raise GenerationError(f"generation {generation}: group {name!r} of devices "
+                                  f"{members} could not be built on device {self.device}: {e}"
+                                  ) from e
+
+    def group_factory(self, generation: int, layout: Layout) -> Callable:
+        """make_group(kind, ranks) for a layout's groups in ``generation`` (ranks -> devices)."""
+        def make_group(kind: str, ranks: list[int]):
+            devices = [layout.device_of[r] for r in ranks]
+            return self.build_group(generation, f"{kind}/{'-'.join(map(str, ranks))}", devices)
+        return make_group
+
+    def prepare(self, generation: int, model: ModelSpec, old: Layout, new: Layout, *,
+                staging_bytes: int, build_extra: Callable[[int], object] | None = None
+                ) -> "Future[PreparedSwitch]":
+        """Start the background work of switching ``old`` -> ``new``; returns a future.
+
+        ``build_extra(new_rank)`` runs on devices of the new layout, in the same thread, after
+        the transition group exists (e.g. to build the trainer's groups).
+        """
+        future: Future = Future()
+
+        def work():
+            t0 = time.perf_counter()
+            try:
+                plan = plan_switch(model, old, new)
+                rounds = schedule_rounds(plan, staging_bytes)
+                members = sorted(set(old.device_of) | set(new.device_of))
+                group = self.build_group(generation, "transition", members)
+                new_rank = plan.new.rank_of_device.get(self.device)
+                extra = build_extra(new_rank) if (build_extra and new_rank is not None) else None
+                future.set_result(PreparedSwitch(
+                    generation, plan, rounds, group, {d: i for i, d in enumerate(members)},
+                    new_rank, extra, time.perf_counter() - t0))
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+        threading.Thread(target=work, name=f"dynatrain-prepare-gen{generation}",
+                         daemon=True).start()
+        return future

@@ -1,0 +1,269 @@
+"""The transition engine: carry out one device's part of a switch plan over torch.distributed.
+
+Order of work on a device: adopt every old local tensor that is already exactly a new one (same
+pieces, same shape: a DP replica that stays, a stage that keeps its layers) without copying it;
+allocate the other new local tensors; do the local copies (no network);
+then the network rounds. Every device derives the same rounds from the same full plan
+(:func:`schedule_rounds`), so sends and receives always pair up and the schedule cannot
+deadlock: in a round each device posts all its sends and receives at once (one message per
+peer, that peer's regions packed into one contiguous staging buffer) and waits for them. Rounds
+are filled greedily so that no device stages more than ``staging_bytes`` (sent plus received)
+in one round; a single region larger than the budget travels alone. An old tensor is released
+as soon as its last reader (local copy or send) is done, so memory peaks near old + new +
+staging rather than at two copies of everything. Optional checksums (two 64-bit sums per
+message) prove the bytes arrived intact.
+
+Every wait has a timeout; a failure raises :class:`TransitionError` naming the round, the peer
+and what went wrong. The engine knows nothing about training: it moves (tensor, state) local
+tensors described by the mapping's pieces, on any process group whose ranks are devices.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+
+from .boxes import box_extents, relative
+from .planner import Plan
+
+MiB = 1 << 20
+
+
+class TransitionError(RuntimeError):
+    """A switch transfer failed: a peer vanished, a wait timed out, or bytes arrived damaged."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransitionConfig:
+    staging_bytes: int = 256 * MiB
+    """Most bytes a device stages (sent plus received) in one round."""
+    checksums: bool = False
+    """Append two 64-bit sums to every message and check them on arrival."""
+    timeout: timedelta = field(default_factory=lambda: timedelta(
+        seconds=float(os.environ.get("DYNATRAIN_TRANSITION_TIMEOUT_S", "60"))))
+    """Longest wait for one round's messages (env DYNATRAIN_TRANSITION_TIMEOUT_S)."""
+
+    def __post_init__(self) -> None:
+        if self.staging_bytes < 1:
+            raise ValueError(f"staging_bytes={self.staging_bytes} must be positive")
+
+
+class Item(NamedTuple):
+    """One region of one tensor: a Move expanded to a single tensor of its group."""
+
+    move: int
+    """Index into ``plan.transfers``."""
+    name: str
+    nbytes: int
+
+
+class Message(NamedTuple):
+    src: int
+    dst: int
+    items: tuple[Item, ...]
+    nbytes: int
+
+
+def schedule_rounds(plan: Plan, staging_bytes: int) -> list[list[Message]]:
+    """The rounds of network messages, the same on every device (it reads the full plan)."""
+    queues: dict[tuple[int, int], list[Item]] = {}
+    for i, m in enumerate(plan.transfers):
+        for name in plan.groups[m.group].names:
+            queues.setdefault((m.src, m.dst), []).append(Item(i, name, m.nbytes))
+    pairs = sorted(queues)
+    heads = {p: 0 for p in pairs}
+    rounds: list[list[Message]] = []
+    while pairs:
+        used: dict[int, int] = {}
+        messages = []
+        for pair in pairs:
+            src, dst = pair
+            q, h = queues[pair], heads[pair]
+            take, size = h, 0
+            while take < len(q):
+                n = q[take].nbytes
+                fits = (used.get(src, 0) + size + n <= staging_bytes
+                        and used.get(dst, 0) + size + n <= staging_bytes)
+                alone = take == h and used.get(src, 0) == 0 and used.get(dst, 0) == 0
+                if not (fits or alone):
+                    break
+                size += n
+                take += 1
+                if not fits:  # an oversized region travels alone
+                    break
+            if take > h:
+                messages.append(Message(src, dst, tuple(q[h:take]), size))
+                used[src] = used.get(src, 0) + size
+                used[dst] = used.get(dst, 0) + size
+                heads[pair] = take
+        rounds.append(messages)
+        pairs = [p for p in pairs if heads[p] < len(queues[p])]
+    return rounds
+
+
+@dataclass
+class TransitionStats:
+    seconds: float = 0.0
+    copy_seconds: float = 0.0
+    network_seconds: float = 0.0
+    bytes_copied: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    peak_staging_bytes: int = 0
+    bytes_adopted: int = 0
+    """Old local tensors kept as new ones without a copy."""
+
+
+def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
+    """The elements of ``piece`` inside a local tensor, shaped like its global box (a view)."""
+    return local[tuple(slice(a, b) for a, b in piece.local)].reshape(box_extents(piece.box))
+
+
+def _region(local: torch.Tensor, piece, box) -> torch.Tensor:
+    return piece_view(local, piece)[tuple(slice(a, b) for a, b in relative(box, piece.box))]
+
+
+def _checksum(buf: torch.Tensor) -> torch.Tensor:
+    """Two sums over the bytes: plain, and position-weighted (catches reordering too)."""
+    b = buf.to(torch.int64)
+    weights = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device) % 65521 + 1
+    return torch.stack([b.sum(), (b * weights).sum()])
+
+
+def _maybe_inject_fault(device: int, round_index: int) -> None:
+    """Deterministic failure injection for tests: DYNATRAIN_FAULT="device:D,round:R" makes
+    device D exit abruptly (like kill -9) when it reaches network round R."""
+    spec = os.environ.get("DYNATRAIN_FAULT")
+    if not spec:
+        return
+    fields = dict(part.split(":", 1) for part in spec.split(","))
+    if int(fields.get("device", -1)) == device and int(fields.get("round", 0)) == round_index:
+        os._exit(17)
+
+
+def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, group,
+                       group_rank: dict[int, int], rounds: list[list[Message]],
+                       config: TransitionConfig = TransitionConfig(),
+                       torch_device: torch.device | None = None,
+                       old_pieces: dict | None = None, new_pieces: dict | None = None
+                       ) -> tuple[dict, TransitionStats]:
+    """Run ``device``'s part of ``plan``.
+
+    old: (tensor name, state) -> this device's old local tensor (empty for a joiner); entries
+    are released as their last reader finishes. new_shapes: (tensor name, state) -> (shape,
+    dtype) of this device's new local tensors (empty for a leaver). group: a process group
+    over every device of the switch, ``group_rank[device]`` its rank there. old_pieces /
+    new_pieces (same keys, the mapping's pieces) let identical tensors be adopted uncopied; an
+    adopted tensor is never written, so sending from it to other devices stays correct.
+    Returns the new local tensors and statistics.
+    """
+    t0 = time.perf_counter()
+    stats = TransitionStats()
+    dev = torch_device or torch.device("cpu")
+    new, adopted = {}, set()
+    for key, (shape, dtype) in new_shapes.items():
+        t = old.get(key)
+        if (t is not None and old_pieces is not None and new_pieces is not None
+                and old_pieces.get(key) == new_pieces.get(key)
+                and tuple(t.shape) == tuple(shape) and t.dtype == dtype):
+            new[key] = t
+            adopted.add(key)
+        else:
+            new[key] = torch.empty(shape, dtype=dtype, device=dev)
+    stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in adopted)
+
+    # Last reader of each old tensor: -1 = the local copies, r = network round r.
+    last_use: dict = {}
+    for m in plan.copies:
+        if m.src == device:
+            for name in plan.groups[m.group].names:
+                last_use[(name, m.state)] = -1
+    for r, messages in enumerate(rounds):
+        for msg in messages:
+            if msg.src == device:
+                for it in msg.items:
+                    last_use[(it.name, plan.transfers[it.move].state)] = r
+
+    def release(upto: int) -> None:
+        for key in [k for k, r in last_use.items() if r <= upto]:
+            old.pop(key, None)
+            del last_use[key]
+
+    for key in [k for k in old if k not in last_use]:   # never read: free at once
+        old.pop(key)
+
+    with torch.no_grad():
+        for m in plan.copies:
+            if m.dst != device:
+                continue
+            for name in plan.groups[m.group].names:
+                if (name, m.state) in adopted:
+                    continue  # already in place: the old tensor is the new one
+                _region(new[(name, m.state)], m.dst_piece, m.box).copy_(
+                    _region(old[(name, m.state)], m.src_piece, m.box))
+                stats.bytes_copied += m.nbytes
+        release(-1)
+        stats.copy_seconds = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        for r, messages in enumerate(rounds):
+            mine = [msg for msg in messages if device in (msg.src, msg.dst)]
+            if not mine:
+                continue
+            _maybe_inject_fault(device, r)
+            stats.rounds += 1
+            works, inbound, staged = [], [], 0
+            for msg in mine:
+                if msg.src == device:
+                    parts = []
+                    for it in msg.items:
+                        mv = plan.transfers[it.move]
+                        region = _region(old[(it.name, mv.state)], mv.src_piece, mv.box)
+                        parts.append(region.contiguous().view(torch.uint8).reshape(-1))
+                    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+                    if config.checksums:
+                        buf = torch.cat([buf, _checksum(buf).view(torch.uint8)])
+                    works.append((msg, group.send([buf], group_rank[msg.dst], r)))
+                    stats.bytes_sent += msg.nbytes
+                    staged += buf.numel()
+                else:
+                    extra = 16 if config.checksums else 0
+                    buf = torch.empty(msg.nbytes + extra, dtype=torch.uint8, device=dev)
+                    works.append((msg, group.recv([buf], group_rank[msg.src], r)))
+                    inbound.append((msg, buf))
+                    staged += buf.numel()
+            stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+            for msg, work in works:
+                peer = msg.dst if msg.src == device else msg.src
+                try:
+                    if work.wait(config.timeout) is False:
+                        raise TimeoutError("wait returned False")
+                except Exception as e:  # gloo/NCCL report timeouts and lost peers differently
+                    raise TransitionError(
+                        f"device {device}: round {r} with device {peer} failed after up to "
+                        f"{config.timeout.total_seconds():.0f} s: {e}") from e
+            for msg, buf in inbound:
+                if config.checksums:
+                    payload, tail = buf[:-16], buf[-16:]
+                    if not torch.equal(_checksum(payload), tail.view(torch.int64)):
+                        raise TransitionError(f"device {device}: checksum mismatch in the "
+                                              f"message from device {msg.src} (round {r})")
+                    buf = payload
+                offset = 0
+                for it in msg.items:
+                    mv = plan.transfers[it.move]
+                    dst = _region(new[(it.name, mv.state)], mv.dst_piece, mv.box)
+                    chunk = buf[offset:offset + it.nbytes].view(dst.dtype).reshape(dst.shape)
+                    dst.copy_(chunk)
+                    offset += it.nbytes
+                stats.bytes_received += msg.nbytes
+            release(r)
+        stats.network_seconds = time.perf_counter() - t1
+    stats.seconds = time.perf_counter() - t0
+    return new, stats
