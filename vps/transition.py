@@ -137,13 +137,17 @@ def _checksum(buf: torch.Tensor) -> torch.Tensor:
 
 
 def _maybe_inject_fault(device: int, round_index: int) -> None:
-    """Deterministic failure injection for tests: DYNATRAIN_FAULT="device:D,round:R" makes
-    device D exit abruptly (like kill -9) when it reaches network round R."""
+    """Deterministic failure injection for tests: DYNATRAIN_FAULT="device:D,round:R[,mode:M]"
+    makes device D, on reaching network round R, exit abruptly like kill -9 (mode ``exit``,
+    the default) or stop responding for good (mode ``hang``)."""
     spec = os.environ.get("DYNATRAIN_FAULT")
     if not spec:
         return
     fields = dict(part.split(":", 1) for part in spec.split(","))
     if int(fields.get("device", -1)) == device and int(fields.get("round", 0)) == round_index:
+        if fields.get("mode", "exit") == "hang":
+            while True:
+                time.sleep(3600)
         os._exit(17)
 
 

@@ -15,7 +15,8 @@ from dynatrain.vps.layout import bind
 from dynatrain.vps.transition import TransitionConfig, TransitionError
 
 
-def fault_worker(device, world, port, old_cfg, new_cfg, new_layout, victim, timeout_s, results):
+def fault_worker(device, world, port, old_cfg, new_cfg, new_layout, victim, timeout_s, results,
+                 mode="exit"):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=timedelta(seconds=60))
@@ -34,7 +35,7 @@ def fault_worker(device, world, port, old_cfg, new_cfg, new_layout, victim, time
     if holder:
         holder[0].train_step()
     if device == victim:
-        os.environ["DYNATRAIN_FAULT"] = f"device:{device},round:0"
+        os.environ["DYNATRAIN_FAULT"] = f"device:{device},round:0,mode:{mode}"
     t0 = time.perf_counter()
     try:
         switch(holder, prepared, new_cfg, device,

@@ -68,7 +68,10 @@ def test_random_transition_is_bit_exact(case):
     check_switch(*case)
 
 
-def test_a_peer_killed_mid_transfer_is_named_on_every_survivor():
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_a_peer_lost_mid_transfer_is_named_on_every_survivor(mode):
+    """``exit``: the peer dies like kill -9. ``hang``: it stops responding; survivors must
+    give up within the configured timeout rather than wait for ever."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -86,9 +89,11 @@ def test_a_peer_killed_mid_transfer_is_named_on_every_survivor():
     results = ctx.Queue()
     start = time.monotonic()
     procs = mp.start_processes(fault_worker, args=(4, store.port, old_cfg, new_cfg, new_layout,
-                                                   1, timeout_s, results),
+                                                   1, timeout_s, results, mode),
                                nprocs=4, join=False, start_method="spawn")
     reports = [results.get(timeout=120) for _ in range(3)]       # the victim reports nothing
+    if mode == "hang":
+        procs.processes[1].kill()
     for p in procs.processes:          # ProcessContext.join would raise on the victim's exit
         p.join(timeout=30)
     assert sorted(d for _, d, _, _ in reports) == [0, 2, 3]
@@ -96,5 +101,35 @@ def test_a_peer_killed_mid_transfer_is_named_on_every_survivor():
         assert kind == "TransitionError", (device, kind, message)
         assert f"device {device}" in message
         assert elapsed < timeout_s + 5, (device, elapsed)        # no survivor hangs
-    assert procs.processes[1].exitcode == 17                      # the injected fault
+    if mode == "exit":
+        assert procs.processes[1].exitcode == 17                  # the injected fault
     assert time.monotonic() - start < 120
+
+
+def test_dump_writes_full_state_before_and_after(tmp_path):
+    """The CLI end to end: --dump writes every tensor and state kind, unchanged by the switch."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    out = subprocess.run([sys.executable, "-m", "dynatrain", "bench", "switch", "--model",
+                          "moe-tiny", "--from", "dp=2,ep=2,zero=1", "--to", "tp=2",
+                          "--seq-len", "16", "--no-baseline", "--json", "--dump", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("switch_seconds", "transfer_seconds", "prepare_seconds", "floor_seconds",
+                "restart_seconds", "speedup", "bytes_network", "peak_rss_bytes",
+                "bitwise_equal", "loss_match"):
+        assert key in result, key
+    assert result["bitwise_equal"] is True and result["loss_match"] is None  # no baseline
+    before = torch.load(tmp_path / "before.pt")
+    after = torch.load(tmp_path / "after.pt")
+    from dynatrain.vps.presets import PRESETS
+    m = PRESETS["moe-tiny"]
+    assert len(before) == len(m.tensors) * 3           # param, exp_avg, exp_avg_sq (fp32)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
