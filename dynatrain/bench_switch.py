@@ -158,7 +158,6 @@ def _state_bytes(local_state) -> int:
 
 def _live_worker(device, world, port, old_cfg, new_cfg, new_layout, staging, checksums, ckpt,
                  dump, threads, results, timeout_s, steps):
-    import io
 
     import torch
     import torch.distributed as dist
@@ -295,9 +294,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
                  baseline: bool = True, dump: str | None = None, timeout_s: float = 600.0,
                  steps_before: int = STEPS_BEFORE, steps_after: int = STEPS_AFTER,
                  progress=None) -> dict:
-    import io
 
-    import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
 

@@ -1,7 +1,6 @@
 """The `dynatrain` console script as a user runs it: real subprocesses, real exit codes."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -6,7 +6,6 @@ independent plain-PyTorch model in reference_model.py.
 """
 
 import pytest
-import torch
 
 from dynatrain.trainer.config import ConfigError, make_config
 from dynatrain.trainer.launch import run_local
@@ -107,7 +106,6 @@ def test_layout_follows_single_process_training(model, layout):
 
 
 def test_layouts_cover_every_axis_and_combination():
-    import itertools
     from dynatrain.vps.layout import parse_layout
 
     seen = set()
