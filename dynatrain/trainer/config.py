@@ -7,9 +7,9 @@ message naming every problem.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from dynatrain.vps.layout import Layout, LayoutError, bind, layout_problems, parse_layout
+from dynatrain.vps.layout import Layout, LayoutError, layout_problems, parse_layout
 from dynatrain.vps.model import ModelSpec, load_model
 
 
@@ -36,7 +36,6 @@ class TrainConfig:
     """Seeds initialisation and the synthetic data stream."""
     data: str = "synthetic"
     """``synthetic`` or the path of a flat uint16 token file."""
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.seq_len == 0:
@@ -89,7 +88,3 @@ def make_config(model: str, layout: str, **kw) -> TrainConfig:
         return TrainConfig(model=load_model(model), layout=parse_layout(layout), **kw)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-
-
-def bound_layout(c: TrainConfig):
-    return bind(c.layout, c.model)
