@@ -16,21 +16,22 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $@
 
-# The main job. Until the local runner lands: a small job trains, switches layout live
-# (checked bit for bit against PyTorch Distributed Checkpoint, compared with checkpoint-and-
-# restart) and trains on; then the plan of a 1024-GPU Qwen3 job losing a pipeline stage.
+# The main job: a small elastic job on this machine. Four workers train gpt-tiny; one is
+# preempted with notice (the job shrinks live), one joins (it grows live), then a user fixes
+# the layout (a live re-layout). Each switch moves only the shards that change.
 demo: setup
-	$(BIN)/dynatrain bench switch --model gpt-tiny --from dp=2,zero=1 --to tp=2,pp=2
-	@echo
-	$(BIN)/dynatrain plan --model qwen3-235b-a22b --from tp=4,pp=8,dp=32,ep=32,zero=1 --to tp=4,pp=7,dp=32,ep=32,zero=1
+	$(BIN)/dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
 
+# Tests need a real Prometheus (Debian's package; installed once, root or sudo).
 test: setup
+	tools/install-prometheus.sh
 	$(BIN)/python -m pytest
 
 # Figures, not pass/fail on timing: plan quality (bytes, exact) and plan speed (seconds).
 bench: setup
 	$(BIN)/python benchmarks/plan_quality.py
 	$(BIN)/python benchmarks/plan_speed.py
+	$(BIN)/python benchmarks/agent_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,1 +1,2 @@
-"""In-pod agent: the gRPC server that runs beside each training process (later issue)."""
+"""The in-pod agent: a gRPC server inside each training process (server, auth, client),
+the worker process it drives (worker), and the Prometheus metrics (metrics)."""

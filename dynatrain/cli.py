@@ -15,8 +15,10 @@ from dynatrain.vps.layout import LayoutError
 from dynatrain.vps.model import ModelSpecError
 from dynatrain.trainer.config import ConfigError
 from dynatrain.vps.planner import PlanError
+from dynatrain.controller.job import JobError
+from dynatrain.controller.scenario import ScenarioError
 
-USER_ERRORS = (LayoutError, ModelSpecError, PlanError, ConfigError)
+USER_ERRORS = (LayoutError, ModelSpecError, PlanError, ConfigError, JobError, ScenarioError)
 
 
 class UsageError(ValueError):
@@ -24,7 +26,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dynatrain import bench_switch, plan_cmd, train_cmd
+    from dynatrain import bench_switch, plan_cmd, run_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="dynatrain",
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plan_cmd.register(sub)
     train_cmd.register(sub)
+    run_cmd.register(sub)
     bench_switch.register(sub)
     try:  # the local control plane for operator development (optional module)
         from dynatrain.devcluster import cli as devcluster_cli

@@ -78,8 +78,8 @@ class DeviceManager:
         return make_group
 
     def prepare(self, generation: int, model: ModelSpec, old: Layout, new: Layout, *,
-                staging_bytes: int, build_extra: Callable[[int], object] | None = None
-                ) -> "Future[PreparedSwitch]":
+                staging_bytes: int, build_extra: Callable[[int], object] | None = None,
+                gpus_per_node: int = 8) -> "Future[PreparedSwitch]":
         """Start the background work of switching ``old`` -> ``new``; returns a future.
 
         ``build_extra(new_rank)`` runs on devices of the new layout, in the same thread, after
@@ -90,7 +90,7 @@ class DeviceManager:
         def work():
             t0 = time.perf_counter()
             try:
-                plan = plan_switch(model, old, new)
+                plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8)
                 rounds = schedule_rounds(plan, staging_bytes)
                 members = sorted(set(old.device_of) | set(new.device_of))
                 group = self.build_group(generation, "transition", members)

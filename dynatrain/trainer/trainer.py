@@ -68,6 +68,11 @@ class StepResult:
     loss: float
     seconds: float
     tokens_per_second: float
+    signal: float = 0.0
+    """Sum over every rank of the ``signal`` each passed to :meth:`Trainer.train_step`."""
+    samples: tuple[int, int] = (0, 0)
+    """Global samples [begin, end) this rank read as a data reader (first stage, TP index 0);
+    an empty range on other ranks, so every sample is counted once per step."""
 
 
 class Trainer:
@@ -177,7 +182,10 @@ class Trainer:
     def _activation_shape(self) -> tuple[int, int, int]:
         return (self.cfg.micro_batch_size, self.cfg.seq_len, self.model.hidden_size)
 
-    def train_step(self) -> StepResult:
+    def train_step(self, signal: float = 0.0) -> StepResult:
+        """One optimizer step. ``signal`` is summed over every rank in the step's own loss
+        all-reduce, so all ranks agree on it at the same step boundary at no extra cost (the
+        agent uses it to agree on when to switch)."""
         t0 = time.perf_counter()
         if self.zero == 3:
             self._gather_zero3()
@@ -218,16 +226,24 @@ class Trainer:
         reduce_gradients(self.working, self.specs, g)
         self._optimizer_step()
         self.step += 1
+        samples = (self.position, self.position)
+        if g.first_stage and g.tp_index == 0:
+            per_rank = cfg.global_batch_size // self.lay.dp
+            samples = (self.position + g.dp_index * per_rank,
+                       self.position + (g.dp_index + 1) * per_rank)
         self.position += cfg.global_batch_size
 
-        report = torch.zeros((), dtype=torch.float32, device=self.device)
+        # float64 so that the signal (small integers) and the loss share one all-reduce exactly
+        report = torch.zeros(2, dtype=torch.float64, device=self.device)
         if g.last_stage and g.tp_index == 0:
-            report += torch.stack(losses).float().mean()
+            report[0] += torch.stack(losses).float().mean().double()
+        report[1] = signal
         if g.world is not None:                               # every rank learns the loss
             dist.all_reduce(report, group=g.world)
-        loss = float(report) / self.lay.dp
+        loss = float(report[0]) / self.lay.dp
         seconds = time.perf_counter() - t0
-        return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds)
+        return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,
+                          float(report[1]), samples)
 
     def _optimizer_step(self) -> None:
         for n, master in self.masters.items():

@@ -1,0 +1,210 @@
+"""DynaTrain's Prometheus metrics, defined once for every process that exposes them.
+
+Each training worker's agent and the controller create one :class:`Metrics` object, which
+owns its own :class:`~prometheus_client.CollectorRegistry` (never the process-global
+``REGISTRY``: tests and a local run put several agents in one process, and each must expose
+only its own numbers), and serve it over HTTP with :meth:`Metrics.serve`. Prometheus scrapes
+every such endpoint; which process a series came from is told by the labels Prometheus attaches
+to the scrape target (``job``, ``instance``, and pod or device labels from service discovery),
+so the metrics themselves carry no identity labels.
+
+Metrics (names as exposed; all times in seconds, sizes in bytes, per Prometheus conventions):
+
+``dynatrain_switch_duration_seconds{phase, reason}`` (histogram)
+    Time spent in each phase of a layout switch: ``prepare`` (background preparation while
+    training goes on), ``pause`` (training stopped, the whole stop-the-world window) and
+    ``transfer`` (the part of the pause moving state between devices). ``reason`` is why the
+    switch happened (``preemption``, ``scale-up``, ``better-layout``, ``requested``). Buckets 1 ms .. 60 s.
+``dynatrain_switch_bytes_total{reason}`` (counter)
+    Bytes of training state moved between devices by switches.
+``dynatrain_switches_total{result, reason}`` (counter)
+    Switches attempted, by outcome: ``success``, ``aborted`` (called off before the commit,
+    training continued on the old layout) or ``failed``.
+``dynatrain_step_duration_seconds`` (histogram)
+    Wall time of one training step.
+``dynatrain_tokens_per_second`` (gauge)
+    Training throughput measured over the last step.
+``dynatrain_step`` (gauge)
+    The last completed training step.
+``dynatrain_workers`` (gauge)
+    Workers currently in the job.
+``dynatrain_generation`` (gauge)
+    The running generation: 1 for the job's first layout, higher after each switch (an
+    aborted attempt also uses up a number).
+``dynatrain_layout_info{dp, tp, pp, ep, zero}`` (gauge, info style)
+    Always 1, for the current layout only; the previous label set is removed on a change, so
+    ``dynatrain_layout_info`` has exactly one series and can be joined onto other metrics.
+
+prometheus_client also exposes a ``<name>_created`` timestamp series for every counter and
+histogram; Prometheus 2.x stores those as ordinary series, which only add noise here, so this
+module filters them out of its own registry (without the process-wide switch
+``disable_created_metrics()``, which would affect other libraries' metrics too).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.registry import Collector
+
+from dynatrain.vps.layout import Layout, parse_layout
+
+PHASES = ("prepare", "pause", "transfer")
+"""The phases a switch's duration is reported in."""
+RESULTS = ("success", "aborted", "failed")
+"""The outcomes of a switch."""
+
+# Switches range from a few milliseconds (a tiny model on one host) to tens of seconds (a
+# 235B model re-sharded across nodes); roughly 1-2.5-5 per decade keeps quantile error small.
+SWITCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                  1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# Steps: milliseconds for CPU test models, up to minutes for large global batches.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+_LAYOUT_LABELS = ("dp", "tp", "pp", "ep", "zero")
+
+
+class _WithoutCreated(Collector):
+    """Exposes a set of metrics minus their ``_created`` samples (see the module docstring)."""
+
+    def __init__(self, metrics):
+        self._metrics = tuple(metrics)
+
+    def describe(self):
+        # Lets the registry check for duplicate names without collecting values.
+        return [family for metric in self._metrics for family in metric.describe()]
+
+    def collect(self):
+        for metric in self._metrics:
+            for family in metric.collect():  # a fresh Metric object on every collect
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
+
+
+class Metrics:
+    """The metrics of one process, in their own registry (a new one unless ``registry`` given).
+
+    ``reasons``: switch reasons known in advance. Their series are created at zero right away;
+    a labelled series only appears when first used, and ``rate()``/``increase()`` cannot see an
+    event that creates the series it is counted in, so the very first switch of a reason would
+    otherwise be invisible to them. A reason seen for the first time by :meth:`observe_switch`
+    gets all its series created then (its first switch is missed by ``rate``, later ones not).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 reasons: Iterable[str] = ()):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        # registry=None: the metric objects are not registered on their own (in particular not
+        # on the global REGISTRY); _WithoutCreated registers them all at once below.
+        self.switch_duration = Histogram(
+            "dynatrain_switch_duration_seconds",
+            "Duration of a layout switch, by phase (prepare, pause, transfer).",
+            ["phase", "reason"], buckets=SWITCH_BUCKETS, registry=None)
+        # prometheus_client appends _total to a counter's name: exposed as
+        # dynatrain_switch_bytes_total.
+        self.switch_bytes = Counter(
+            "dynatrain_switch_bytes", "Bytes of training state moved by layout switches.",
+            ["reason"], registry=None)
+        self.switches = Counter(
+            "dynatrain_switches", "Layout switches, by result (success, aborted, failed).",
+            ["result", "reason"], registry=None)
+        self.step_duration = Histogram(
+            "dynatrain_step_duration_seconds", "Wall time of one training step.",
+            buckets=STEP_BUCKETS, registry=None)
+        self.tokens_per_second = Gauge(
+            "dynatrain_tokens_per_second", "Training throughput over the last step.",
+            registry=None)
+        self.step = Gauge("dynatrain_step", "The last completed training step.", registry=None)
+        self.workers = Gauge("dynatrain_workers", "Workers currently in the job.", registry=None)
+        self.generation = Gauge(
+            "dynatrain_generation", "Layout generation: 0 at start, +1 per committed switch.",
+            registry=None)
+        self.layout_info = Gauge(
+            "dynatrain_layout_info", "The current parallelism layout (value always 1).",
+            list(_LAYOUT_LABELS), registry=None)
+        self.registry.register(_WithoutCreated([
+            self.switch_duration, self.switch_bytes, self.switches, self.step_duration,
+            self.tokens_per_second, self.step, self.workers, self.generation,
+            self.layout_info]))
+        # Guards the layout's "add new, remove old" and the set of initialised reasons.
+        self._lock = threading.Lock()
+        self._layout_labels: tuple[str, ...] | None = None
+        self._reasons: set[str] = set()
+        for reason in reasons:
+            self._init_reason(reason)
+
+    # -- recording -------------------------------------------------------------------------
+
+    def observe_step(self, seconds: float, tokens_per_second: float, step: int) -> None:
+        """Record one finished training step."""
+        self.step_duration.observe(seconds)
+        self.tokens_per_second.set(tokens_per_second)
+        self.step.set(step)
+
+    def observe_switch(self, reason: str, result: str, phases: dict[str, float],
+                       bytes_moved: int) -> None:
+        """Record one switch attempt: its outcome, the seconds of each phase it went through
+        (a subset of :data:`PHASES`; an aborted switch may have only ``prepare``) and the bytes
+        it moved. Unknown phases or results raise ValueError before anything is recorded."""
+        if result not in RESULTS:
+            raise ValueError(f"switch result {result!r} is not one of {', '.join(RESULTS)}")
+        unknown = sorted(set(phases) - set(PHASES))
+        if unknown:
+            raise ValueError(f"switch phases {unknown} unknown; valid: {', '.join(PHASES)}")
+        if bytes_moved < 0:
+            raise ValueError(f"bytes_moved={bytes_moved} must be >= 0")
+        self._init_reason(reason)
+        for phase, seconds in phases.items():
+            self.switch_duration.labels(phase=phase, reason=reason).observe(seconds)
+        self.switch_bytes.labels(reason=reason).inc(bytes_moved)
+        self.switches.labels(result=result, reason=reason).inc()
+
+    def set_layout(self, layout: Layout | str | None) -> None:
+        """Make ``layout`` (a Layout or its text, e.g. ``dp=4,tp=2``) the one series of
+        ``dynatrain_layout_info``; None removes it (no layout yet)."""
+        if isinstance(layout, str):
+            layout = parse_layout(layout)
+        labels = None if layout is None else tuple(str(getattr(layout, k)) for k in _LAYOUT_LABELS)
+        with self._lock:
+            if labels is not None:
+                # Add the new series before removing the old one, so a scrape in between sees
+                # two layouts for an instant rather than none.
+                self.layout_info.labels(*labels).set(1)
+            if self._layout_labels is not None and self._layout_labels != labels:
+                self.layout_info.remove(*self._layout_labels)
+            self._layout_labels = labels
+
+    def set_workers(self, n: int) -> None:
+        self.workers.set(n)
+
+    def set_generation(self, generation: int) -> None:
+        self.generation.set(generation)
+
+    def _init_reason(self, reason: str) -> None:
+        """Create every series of ``reason`` at zero (see the class docstring)."""
+        with self._lock:
+            if reason in self._reasons:
+                return
+            self._reasons.add(reason)
+        for phase in PHASES:
+            self.switch_duration.labels(phase=phase, reason=reason)
+        for result in RESULTS:
+            self.switches.labels(result=result, reason=reason)
+        self.switch_bytes.labels(reason=reason)
+
+    # -- exposition ------------------------------------------------------------------------
+
+    def serve(self, port: int = 0, addr: str = "127.0.0.1"):
+        """Serve ``/metrics`` from this registry on a daemon thread; returns ``(server, port)``.
+
+        ``port=0`` picks a free port, and the one bound is returned. Stop with
+        ``server.shutdown(); server.server_close()``. The default address is loopback; a pod
+        serving Prometheus in a cluster passes ``addr="0.0.0.0"``.
+        """
+        # Since prometheus_client 0.20 (our floor) start_http_server returns the WSGI server
+        # and its thread; the server knows the port the OS picked.
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return server, server.server_port

@@ -1,0 +1,247 @@
+"""A ``DynaTrainJob`` manifest read into a :class:`JobSpec`, with every problem named at once.
+
+The same YAML runs on a cluster (the operator receives it from the apiserver, which has already
+applied the CRD's schema) and on one machine (``dynatrain run JOB.yaml``, where nothing checked
+it before). So this module checks everything the controller relies on itself and reports each
+problem with its field path (``spec.elastic.maxWorkers``), the value, and what would be valid.
+
+Fields the local runner does not use (``image``, ``command``, ``resources.cpu`` ...) are read
+and kept, so a manifest written for the cluster needs no edits to run locally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dynatrain.vps.layout import Layout, LayoutError, parse_layout
+from dynatrain.vps.model import ModelSpec, ModelSpecError, load_model, model_from_dict
+
+API_VERSION = "dynatrain.io/v1alpha1"
+KIND = "DynaTrainJob"
+PREEMPTION_POLICIES = ("Switch", "Restart", "Ignore")
+
+
+class JobError(ValueError):
+    """A job manifest cannot run; the message names every problem with its field."""
+
+
+@dataclass(frozen=True)
+class Training:
+    steps: int = 100
+    seq_len: int = 0
+    micro_batch_size: int = 1
+    learning_rate: float = 1e-3
+    adam_eps: float = 1e-8
+    seed: int = 0
+    data: str = "synthetic"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    namespace: str
+    model: ModelSpec
+    model_ref: dict
+    """The manifest's ``spec.model`` as written (a preset name or an inline spec)."""
+    min_workers: int
+    max_workers: int
+    workers: int | None
+    """Desired workers (the scale subresource); None: as many as capacity allows."""
+    mode: str
+    """``auto`` (the solver picks) or ``fixed``."""
+    layout: Layout | None
+    global_batch_size: int
+    training: Training
+    gpus_per_worker: int = 0
+    agent_port: int = 50051
+    auth_secret: str | None = None
+    preemption_policy: str = "Switch"
+    image: str = ""
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def train_config(self, layout: Layout):
+        """The trainer's config for this job under ``layout``."""
+        from dynatrain.trainer.config import TrainConfig
+
+        t = self.training
+        return TrainConfig(model=self.model, layout=layout,
+                           global_batch_size=self.global_batch_size,
+                           micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+                           lr=t.learning_rate, eps=t.adam_eps, seed=t.seed, data=t.data)
+
+
+class _Reader:
+    """Reads typed fields out of nested dicts and collects problems instead of raising."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+
+    def obj(self, parent: dict, key: str, path: str, required: bool = False) -> dict:
+        value = parent.get(key)
+        if value is None:
+            if required:
+                self.problems.append(f"{path}.{key} is required")
+            return {}
+        if not isinstance(value, dict):
+            self.problems.append(f"{path}.{key} must be a mapping, got {value!r}")
+            return {}
+        return value
+
+    def int(self, parent: dict, key: str, path: str, default=None, *, minimum: int | None = None,
+            maximum: int | None = None, required: bool = False):
+        value = parent.get(key, default)
+        if value is None:
+            if required:
+                self.problems.append(f"{path}.{key} is required")
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.problems.append(f"{path}.{key}={value!r} must be an integer")
+            return default
+        if minimum is not None and value < minimum or maximum is not None and value > maximum:
+            rng = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+            self.problems.append(f"{path}.{key}={value} must be {rng}")
+            return default
+        return value
+
+    def float(self, parent: dict, key: str, path: str, default: float, *, positive=True):
+        value = parent.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.problems.append(f"{path}.{key}={value!r} must be a number")
+            return default
+        if positive and not value > 0:
+            self.problems.append(f"{path}.{key}={value} must be positive")
+            return default
+        return float(value)
+
+    def str(self, parent: dict, key: str, path: str, default=None, *, choices=None,
+            required: bool = False):
+        value = parent.get(key, default)
+        if value is None:
+            if required:
+                self.problems.append(f"{path}.{key} is required")
+            return None
+        if not isinstance(value, str) or not value:
+            self.problems.append(f"{path}.{key}={value!r} must be a non-empty string")
+            return default
+        if choices and value not in choices:
+            self.problems.append(f"{path}.{key}={value!r} is not one of {', '.join(choices)}")
+            return default
+        return value
+
+
+def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
+    """A :class:`JobSpec` from a parsed manifest; :class:`JobError` names every problem."""
+    if not isinstance(doc, dict):
+        raise JobError(f"{source}: expected a {KIND} object, got {type(doc).__name__}")
+    r = _Reader()
+    if doc.get("apiVersion") != API_VERSION:
+        r.problems.append(f"apiVersion={doc.get('apiVersion')!r} must be {API_VERSION!r}")
+    if doc.get("kind") != KIND:
+        r.problems.append(f"kind={doc.get('kind')!r} must be {KIND!r}")
+    meta = r.obj(doc, "metadata", "", required=True)
+    name = r.str(meta, "name", "metadata", required=True) or "job"
+    namespace = r.str(meta, "namespace", "metadata", "default") or "default"
+    spec = r.obj(doc, "spec", "", required=True)
+    image = r.str(spec, "image", "spec", "") if "image" in spec else ""
+
+    model_ref = r.obj(spec, "model", "spec", required=True)
+    model = None
+    if model_ref:
+        if ("preset" in model_ref) == ("spec" in model_ref):
+            r.problems.append("spec.model: set exactly one of spec.model.preset and "
+                              "spec.model.spec")
+        elif "preset" in model_ref:
+            preset = r.str(model_ref, "preset", "spec.model")
+            if preset:
+                try:
+                    model = load_model(preset)
+                except ModelSpecError as e:
+                    r.problems.append(f"spec.model.preset: {e}")
+        else:
+            try:
+                model = model_from_dict(model_ref["spec"], source="spec.model.spec")
+            except (ModelSpecError, TypeError) as e:
+                r.problems.append(f"spec.model.spec: {e}")
+
+    elastic = r.obj(spec, "elastic", "spec", required=True)
+    min_w = r.int(elastic, "minWorkers", "spec.elastic", minimum=1, required=True)
+    max_w = r.int(elastic, "maxWorkers", "spec.elastic", minimum=1, required=True)
+    workers = r.int(elastic, "workers", "spec.elastic", minimum=0)
+    if min_w and max_w and min_w > max_w:
+        r.problems.append(f"spec.elastic.minWorkers={min_w} must be <= "
+                          f"spec.elastic.maxWorkers={max_w}")
+    if workers is not None and min_w and max_w and not min_w <= workers <= max_w:
+        r.problems.append(f"spec.elastic.workers={workers} must lie in "
+                          f"[minWorkers, maxWorkers] = [{min_w}, {max_w}]")
+
+    par = r.obj(spec, "parallelism", "spec")
+    mode = r.str(par, "mode", "spec.parallelism", "auto", choices=("auto", "fixed")) or "auto"
+    layout = None
+    if "layout" in par:
+        try:
+            layout = parse_layout(par["layout"])
+        except LayoutError as e:
+            r.problems.append(f"spec.parallelism.layout: {e}")
+    elif mode == "fixed":
+        r.problems.append("spec.parallelism.layout is required when spec.parallelism.mode "
+                          "is fixed")
+
+    gbs = r.int(spec, "globalBatchSize", "spec", 8, minimum=1) or 8
+    tr = r.obj(spec, "training", "spec")
+    training = Training(
+        steps=r.int(tr, "steps", "spec.training", 100, minimum=1) or 100,
+        seq_len=r.int(tr, "seqLen", "spec.training", 0, minimum=0) or 0,
+        micro_batch_size=r.int(tr, "microBatchSize", "spec.training", 1, minimum=1) or 1,
+        learning_rate=r.float(tr, "learningRate", "spec.training", 1e-3),
+        adam_eps=r.float(tr, "adamEpsilon", "spec.training", 1e-8),
+        seed=r.int(tr, "seed", "spec.training", 0, minimum=0) or 0,
+        data=r.str(tr, "data", "spec.training", "synthetic") or "synthetic")
+    res = r.obj(spec, "resources", "spec")
+    gpus = r.int(res, "gpus", "spec.resources", 0, minimum=0) or 0
+    agent = r.obj(spec, "agent", "spec")
+    port = r.int(agent, "port", "spec.agent", 50051, minimum=1, maximum=65535) or 50051
+    secret = r.str(agent, "authSecret", "spec.agent")
+    policy = r.str(spec, "preemptionPolicy", "spec", "Switch",
+                   choices=PREEMPTION_POLICIES) or "Switch"
+
+    if model is not None and layout is not None:
+        from dynatrain.vps.layout import layout_problems
+
+        bad = layout_problems(layout, model)
+        if bad:
+            r.problems.append(f"spec.parallelism.layout={layout.to_text()!r} does not fit "
+                              f"{model.name}: " + "; ".join(bad))
+        elif max_w and mode == "fixed" and layout.world > max_w:
+            r.problems.append(f"spec.parallelism.layout={layout.to_text()!r} needs "
+                              f"{layout.world} workers, more than spec.elastic.maxWorkers="
+                              f"{max_w}")
+    if model is not None and training.seq_len > model.max_seq_len:
+        r.problems.append(f"spec.training.seqLen={training.seq_len} exceeds the model's "
+                          f"max_seq_len {model.max_seq_len}")
+    if r.problems:
+        raise JobError(f"{source}: " + "; ".join(r.problems))
+    return JobSpec(name=name, namespace=namespace, model=model, model_ref=model_ref,
+                   min_workers=min_w, max_workers=max_w, workers=workers, mode=mode,
+                   layout=layout, global_batch_size=gbs, training=training,
+                   gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
+                   preemption_policy=policy, image=image or "", raw=doc)
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read a job manifest file (YAML; the first document that is a DynaTrainJob)."""
+    path = Path(path)
+    if not path.is_file():
+        raise JobError(f"job manifest {str(path)!r} does not exist")
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except yaml.YAMLError as e:
+        raise JobError(f"{path}: not valid YAML: {e}") from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if not jobs:
+        raise JobError(f"{path}: holds no {KIND} (kinds found: "
+                       f"{[d.get('kind') for d in docs if isinstance(d, dict)]})")
+    return job_from_manifest(jobs[0], source=str(path))

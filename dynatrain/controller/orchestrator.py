@@ -1,0 +1,166 @@
+"""The two-phase switch, driven over the agents' gRPC API.
+
+Phase one, Prepare: every device of the switch (old ∪ new) is told the new generation; each
+starts its background work and answers at once. The orchestrator then polls Status until every
+device reports the generation ready. Nothing has changed yet, so any failure here (a refused
+Prepare, a preparation error, a timeout) is answered with Abort on every device and is
+*retryable* with a fresh generation number (store keys of a failed generation are never reused).
+
+Phase two, Commit: sent to every device at once; each answers after it switched at the agreed
+step boundary, with its pause, phases and bytes. A failure here is not retryable by this module:
+state may have started to move (recovery is the job of the next layer).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dynatrain.agent.client import AgentCallError, AgentClient
+from dynatrain.vps.layout import Layout
+
+
+class SwitchFailed(RuntimeError):
+    def __init__(self, message: str, *, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass
+class SwitchRecord:
+    """One switch as the controller saw it (the summary's and the metrics' source)."""
+
+    generation: int
+    from_layout: str
+    to_layout: str
+    reason: str
+    workers_before: int
+    workers_after: int
+    step: int = 0
+    pause_seconds: float = 0.0
+    """The longest pause over the devices of the switch."""
+    prepare_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    bytes: int = 0
+    """Bytes sent over the network, summed over devices."""
+    bytes_local: int = 0
+    phases: dict = field(default_factory=dict)
+    """Seconds per phase of the pause (release, scalars, transfer, rebuild), the longest over
+    the devices that were training, and per device (``by_device``) for diagnosis."""
+    result: str = "success"
+    attempts: int = 1
+    error: str = ""
+    wall_time: float = field(default_factory=time.time)
+
+    def summary(self) -> dict:
+        return {"from": self.from_layout, "to": self.to_layout, "reason": self.reason,
+                "generation": self.generation, "step": self.step,
+                "pause_seconds": self.pause_seconds, "prepare_seconds": self.prepare_seconds,
+                "transfer_seconds": self.transfer_seconds, "bytes": self.bytes,
+                "bytes_local": self.bytes_local, "phases": self.phases,
+                "workers_before": self.workers_before,
+                "workers_after": self.workers_after, "result": self.result,
+                "attempts": self.attempts}
+
+
+@dataclass
+class Timeouts:
+    prepare_s: float = 60.0
+    """Longest wait for every device to report the generation ready."""
+    commit_s: float = 120.0
+    """Longest wait for every device to switch after Commit."""
+    group_s: float = 60.0
+    """Timeout of every wait inside the generation's groups (transfer rounds included)."""
+
+
+def _fan_out(fn, items) -> list:
+    """fn(item) for every item at once; results (or the exception raised) in order."""
+    def call(item):
+        try:
+            return fn(item)
+        except Exception as e:  # collected, judged by the caller
+            return e
+
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        return list(pool.map(call, items))
+
+
+def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None, new: Layout,
+           rendezvous: str, *, reason: str, timeouts: Timeouts = Timeouts(),
+           devices_per_node: int = 8, staging_bytes: int = 0) -> SwitchRecord:
+    """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``."""
+    members = sorted(set(old.device_of if old else ()) | set(new.device_of))
+    missing = [d for d in members if d not in clients]
+    if missing:
+        raise SwitchFailed(f"no agent for devices {missing}", retryable=False)
+    record = SwitchRecord(generation, old.to_text() if old else "", new.to_text(), reason,
+                          old.world if old else 0, new.world)
+
+    def prepare(d):
+        return clients[d].prepare(
+            generation, new.to_text(), list(new.device_of), rendezvous,
+            devices_per_node=devices_per_node, staging_bytes=staging_bytes,
+            timeout_s=timeouts.group_s, reason=reason,
+            old_layout=old.to_text() if old else "",
+            old_devices=list(old.device_of) if old else [])
+
+    t0 = time.monotonic()
+    errors = [(d, r) for d, r in zip(members, _fan_out(prepare, members))
+              if isinstance(r, Exception)]
+    if errors:
+        _abort(clients, members, generation, "prepare refused")
+        raise SwitchFailed("; ".join(f"device {d}: {e}" for d, e in errors), retryable=True)
+    deadline = t0 + timeouts.prepare_s
+    waiting = set(members)
+    while waiting:
+        for d, st in zip(sorted(waiting), _fan_out(lambda d: clients[d].status(
+                since_step=1 << 62), sorted(waiting))):
+            if isinstance(st, Exception):
+                _abort(clients, members, generation, "status failed")
+                raise SwitchFailed(f"device {d}: status failed while preparing: {st}",
+                                   retryable=True)
+            if st.prepared_generation == generation and st.prepared_error:
+                _abort(clients, members, generation, "prepare failed")
+                raise SwitchFailed(f"device {d}: preparing generation {generation} failed: "
+                                   f"{st.prepared_error}", retryable=True)
+            if st.prepared_generation == generation and st.prepared_ready:
+                waiting.discard(d)
+        if waiting and time.monotonic() > deadline:
+            _abort(clients, members, generation, "prepare timed out")
+            raise SwitchFailed(f"devices {sorted(waiting)} were not ready for generation "
+                               f"{generation} within {timeouts.prepare_s} s", retryable=True)
+        if waiting:
+            time.sleep(0.02)
+    record.prepare_seconds = time.monotonic() - t0
+
+    replies = _fan_out(lambda d: clients[d].commit(generation, 0, timeout_s=timeouts.commit_s),
+                       members)
+    errors = [(d, r) for d, r in zip(members, replies) if isinstance(r, Exception)]
+    if errors:
+        record.result, record.error = "failed", "; ".join(f"device {d}: {e}" for d, e in errors)
+        raise SwitchFailed(f"generation {generation} failed during commit: {record.error}",
+                           retryable=False)
+    record.step = max(r.step for r in replies)
+    # The pause is the training's: joiners enter the switch at once and wait there for the old
+    # world to reach the boundary, so their time is not a pause of anything.
+    trained = [r for d, r in zip(members, replies) if old is None or d in old.device_of]
+    record.pause_seconds = max(r.pause_seconds for r in trained)
+    record.transfer_seconds = max(r.phase_seconds.get("transfer", 0.0) for r in trained)
+    for r in trained:
+        for k, v in r.phase_seconds.items():
+            record.phases[k] = max(v, record.phases.get(k, 0.0))
+    record.phases["by_device"] = {d: dict(r.phase_seconds) for d, r in zip(members, replies)}
+    record.bytes = sum(r.bytes_sent for r in replies)
+    record.bytes_local = sum(r.bytes_local for r in replies)
+    return record
+
+
+def _abort(clients, members, generation: int, reason: str) -> None:
+    def abort(d):
+        try:
+            clients[d].abort(generation, reason)
+        except AgentCallError:
+            pass   # an agent that cannot be reached has nothing prepared that matters
+
+    _fan_out(abort, members)

@@ -1,0 +1,106 @@
+"""When to switch, and to what: the controller's policy over the solver's estimates.
+
+- **Capacity loss, or notice of it** (a preemption notice, a node going away): switch at once to
+  the best layout on the devices that remain, whatever the estimate says: waiting loses the
+  state on the doomed device.
+- **A requested layout** (``parallelism.mode: fixed`` with a layout that differs from the
+  running one): switch at once.
+- **New capacity, or a better layout for the same devices**: switch only when the estimated
+  throughput beats the running layout's by ``margin`` (a switch costs a pause; estimates are
+  not exact), and not within ``cooldown_s`` of the last voluntary switch (capacity that flaps
+  must not make the job flap).
+- Never start a voluntary switch within ``min_steps_left`` steps of the end of the job.
+
+Which devices a new layout uses: the devices of the running layout first (their state is
+already in place), then the lowest ids; the solver may use fewer devices than are available
+when no layout fits all of them (e.g. 5 devices for a batch of 8).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dynatrain.vps.layout import Layout
+from dynatrain.vps.placement import place_devices
+
+from .job import JobSpec
+from .solver import DeviceProfile, Estimate, SolverError, best_for_devices, estimate, solve
+
+
+@dataclass
+class Decision:
+    layout: Layout
+    """The new layout with its devices."""
+    reason: str
+    estimate: Estimate
+
+
+@dataclass
+class Policy:
+    margin: float = 1.10
+    cooldown_s: float = 10.0
+    min_steps_left: int = 5
+    last_voluntary: float = float("-inf")
+
+    def decide(self, job: JobSpec, profile: DeviceProfile, current: Layout | None,
+               usable: list[int], doomed: set[int], step: int) -> Decision | None:
+        """The switch to make now, if any.
+
+        ``usable``: devices that are up and not doomed; ``doomed``: devices with a notice (or
+        gone) that the running layout must leave.
+        """
+        usable = sorted(usable)
+        cap = min(len(usable), job.workers or job.max_workers)
+        kw = dict(global_batch_size=job.global_batch_size,
+                  micro_batch_size=job.training.micro_batch_size,
+                  seq_len=_seq_len(job))
+        if current is None or doomed & set(current.device_of):
+            reason = "start" if current is None else "preemption"
+            if cap < job.min_workers:
+                raise SolverError(f"{cap} usable workers, fewer than spec.elastic.minWorkers="
+                                  f"{job.min_workers}")
+            best = self._best(job, profile, cap, kw)
+            return self._place(job, current, usable, best, reason)
+        steps_left = job.training.steps - step
+        if job.mode == "fixed" and job.layout is not None \
+                and job.layout.to_text() != current.to_text():
+            if job.layout.world <= len(usable):
+                best = solve(job.model, job.layout.world, profile, fixed=job.layout, **kw)
+                return self._place(job, current, usable, best, "requested")
+            return None
+        if job.mode == "fixed" or steps_left < self.min_steps_left:
+            return None
+        if time.monotonic() - self.last_voluntary < self.cooldown_s:
+            return None
+        best = self._best(job, profile, cap, kw)
+        now = estimate(job.model, current, profile, **kw)
+        if best.tokens_per_second < self.margin * now.tokens_per_second:
+            return None
+        grew = best.layout.world > current.world
+        return self._place(job, current, usable, best, "scale-up" if grew else "better-layout")
+
+    def record_voluntary(self) -> None:
+        self.last_voluntary = time.monotonic()
+
+    @staticmethod
+    def _best(job, profile, cap: int, kw) -> Estimate:
+        if job.mode == "fixed" and job.layout is not None and job.layout.world <= cap:
+            return solve(job.model, job.layout.world, profile, fixed=job.layout, **kw)
+        return best_for_devices(job.model, cap, profile, min_devices=job.min_workers, **kw)
+
+    @staticmethod
+    def _place(job, current: Layout | None, usable: list[int], best: Estimate,
+               reason: str) -> Decision:
+        n = best.layout.world
+        keep = [d for d in (current.device_of if current else ()) if d in usable]
+        chosen = (keep + [d for d in usable if d not in keep])[:n]
+        if current is None:
+            layout = best.layout.with_devices(sorted(chosen))
+        else:
+            layout = place_devices(job.model, current, best.layout, sorted(chosen))
+        return Decision(layout, reason, best)
+
+
+def _seq_len(job: JobSpec) -> int:
+    return job.training.seq_len or min(job.model.max_seq_len, 128)

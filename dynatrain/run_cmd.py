@@ -1,0 +1,118 @@
+"""``dynatrain run JOB.yaml``: an elastic job with live switches on this machine, no cluster.
+
+And ``dynatrain worker``: one worker process (what the runner and the operator's pods start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
+  dynatrain run examples/quickstart.yaml --summary-json summary.json
+
+A scenario lists capacity changes by step (see examples/scenario.yaml):
+  events:
+    - {atStep: 15, preempt: {workers: [3], noticeSeconds: 30}}
+    - {atStep: 30, join: 1}
+    - {atStep: 45, layout: "dp=1,tp=2,pp=2"}
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "run", help="run a DynaTrainJob manifest on this machine, with live switches",
+        description="Run a DynaTrainJob manifest (the YAML the operator accepts) with worker "
+        "processes on this machine: each worker is a trainer with its gRPC agent; the "
+        "controller core picks the layout for the workers at hand and switches it live as "
+        "capacity changes (from --scenario). Prints live progress, one line per switch and "
+        "a summary.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job", metavar="JOB.yaml", help="DynaTrainJob manifest")
+    p.add_argument("--scenario", metavar="FILE", help="capacity changes (YAML)")
+    p.add_argument("--summary-json", metavar="FILE",
+                   help="write switches, steps, losses and final loss as JSON")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="worker logs and the agent token (default: a new temporary dir)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="controller's Prometheus port (default: any free port)")
+    p.add_argument("--prometheus-sd", metavar="FILE",
+                   help="keep a Prometheus file_sd target list of the controller and workers")
+    p.add_argument("--device-profile", default="per-worker", metavar="P",
+                   help="the solver's device model: 'per-worker' (default: this machine's "
+                        "cores measured, each worker counted as a device of its own, as pods "
+                        "on a cluster would be), 'shared' (workers share this machine's "
+                        "cores: the honest model for this machine, which favours few "
+                        "workers), or a preset (h100, a100, cpu)")
+    p.add_argument("--cooldown", type=float, default=10.0,
+                   help="seconds between voluntary switches (default 10)")
+    p.add_argument("--margin", type=float, default=1.10,
+                   help="estimated speedup a voluntary switch needs (default 1.10)")
+    p.set_defaults(func=run_job)
+
+    w = sub.add_parser("worker", help="one worker process with its agent (started for you "
+                       "by `run` and by the operator)", add_help=False)
+    w.add_argument("args", nargs=argparse.REMAINDER)
+    w.set_defaults(func=lambda a: __import__("dynatrain.agent.worker",
+                                             fromlist=["main"]).main(a.args))
+
+
+def run_job(args) -> int:
+    from dynatrain.cli import UsageError
+    from dynatrain.controller.core import JobFailed
+    from dynatrain.controller.job import load_job
+    from dynatrain.controller.local import LocalRunner
+    from dynatrain.controller.policy import Policy
+    from dynatrain.controller.scenario import Scenario, load_scenario
+    from dynatrain.controller.solver import PROFILES, measure_cpu_profile
+
+    job = load_job(args.job)
+    scenario = load_scenario(args.scenario) if args.scenario else Scenario(None, ())
+    if job.gpus_per_worker > 1:
+        raise UsageError(f"spec.resources.gpus={job.gpus_per_worker}: the local runner runs "
+                         "one device per worker; use gpus: 0 (CPU) or 1")
+    if args.device_profile in ("per-worker", "shared"):
+        profile = measure_cpu_profile()
+        if args.device_profile == "per-worker":
+            profile = replace(profile, shared_cores=0,
+                              memory_bytes=profile.memory_bytes // max(1, job.max_workers),
+                              name="cpu (one device per worker)")
+    elif args.device_profile in PROFILES:
+        profile = PROFILES[args.device_profile]
+    else:
+        raise UsageError(f"--device-profile={args.device_profile!r}; valid: per-worker, shared, "
+                         f"{', '.join(PROFILES)}")
+    if args.margin < 1.0 or args.cooldown < 0:
+        raise UsageError(f"--margin={args.margin} must be >= 1 and --cooldown={args.cooldown} "
+                         ">= 0")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dynatrain-"))
+    runner = LocalRunner(job, args.job, scenario, run_dir=run_dir, profile=profile,
+                         policy=Policy(margin=args.margin, cooldown_s=args.cooldown),
+                         metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd)
+    try:
+        result = runner.run()
+    except JobFailed as e:
+        print(f"dynatrain run: job {job.name} failed: {e}")
+        return 1
+    _print_summary(result)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(result.summary(), indent=2))
+    return 0 if result.samples_exactly_once else 1
+
+
+def _print_summary(r) -> None:
+    print()
+    print(f"job {r.job}: {r.steps} steps in {r.wall_seconds:.1f} s, final loss "
+          f"{r.final_loss:.4f}, {len(r.switches)} switches")
+    if r.switches:
+        print(f"  {'step':>5}  {'reason':<13} {'from':<22} {'to':<22} {'pause':>9} "
+              f"{'network':>10}")
+        for s in r.switches:
+            print(f"  {s.step:>5}  {s.reason:<13} {s.from_layout:<22} {s.to_layout:<22} "
+                  f"{s.pause_seconds * 1e3:7.1f}ms {s.bytes / 2**20:7.2f}MiB")
+    verdict = "each exactly once" if r.samples_exactly_once else "NOT exactly once"
+    print(f"  data: {r.samples_consumed} samples consumed, {verdict}")

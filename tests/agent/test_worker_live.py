@@ -1,0 +1,124 @@
+"""A real worker process (trainer + agent) under bad requests: it refuses them with the right
+gRPC code and keeps training throughout; then it switches live when asked properly."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch.distributed as dist
+import yaml
+
+from dynatrain.agent.auth import bearer_metadata
+from dynatrain.agent.client import AgentCallError, AgentClient
+from dynatrain.agent.v1 import agent_pb2
+from dynatrain.controller.orchestrator import switch
+from dynatrain.vps.layout import parse_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _spawn(tmp: Path, job: Path, token: Path, device: int):
+    ready = tmp / f"ready-{device}"
+    log = open(tmp / f"worker-{device}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dynatrain.agent.worker", "--job", str(job),
+                             "--device", str(device), "--token-file", str(token),
+                             "--ready-file", str(ready), "--threads", "1"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, (tmp / f"worker-{device}.log").read_text()
+        assert time.monotonic() < deadline, "worker did not start"
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return proc, f"127.0.0.1:{info['agent_port']}"
+
+
+@pytest.fixture
+def workers(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    doc["spec"]["training"]["steps"] = 100000
+    doc["spec"]["globalBatchSize"] = 4
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(16))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs, clients = [], {}
+    try:
+        for d in range(2):
+            proc, addr = _spawn(tmp_path, job, token, d)
+            procs.append(proc)
+            clients[d] = AgentClient(addr, token_file=str(token))
+            clients[d].wait_healthy(30)
+        yield clients, f"127.0.0.1:{store.port}", token.read_text(), procs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+
+def _wait_steps(client, n, timeout=60):
+    deadline = time.monotonic() + timeout
+    start = client.status().step
+    while client.status().step < start + n:
+        assert time.monotonic() < deadline, "the trainer stopped stepping"
+        time.sleep(0.05)
+
+
+def test_bad_requests_are_refused_while_training_goes_on(workers):
+    clients, rdv, token, procs = workers
+    c0 = clients[0]
+    one = parse_layout("dp=1").with_devices([0])
+    switch({0: c0}, 1, None, one, rdv, reason="start")
+    _wait_steps(c0, 2)
+    before = c0.status().step
+
+    def code_of(fn):
+        with pytest.raises(AgentCallError) as e:
+            fn()
+        return e.value.code
+
+    no_token = AgentClient(c0.address)
+    assert code_of(no_token.status) == grpc.StatusCode.UNAUTHENTICATED
+    wrong = AgentClient(c0.address, token="not-the-token")
+    assert code_of(lambda: wrong.prepare(2, "dp=1", [0], rdv)) == grpc.StatusCode.UNAUTHENTICATED
+    # a stale generation, a commit of nothing, a layout that does not fit, a wrong old world
+    assert code_of(lambda: c0.prepare(1, "dp=1", [0], rdv, old_layout="dp=1",
+                                      old_devices=[0])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: c0.commit(7)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: c0.prepare(2, "tp=3", [0, 1, 2], rdv, old_layout="dp=1",
+                                      old_devices=[0])) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: c0.prepare(2, "dp=2", [0, 1], rdv, old_layout="dp=2",
+                                      old_devices=[0, 1])) == grpc.StatusCode.FAILED_PRECONDITION
+    with grpc.insecure_channel(c0.address) as ch:
+        for method in ("Prepare", "Commit", "Abort", "Status"):
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(f"/dynatrain.agent.v1.Agent/{method}")(
+                    b"\xff\xff garbage", metadata=bearer_metadata(token), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _wait_steps(c0, 2)
+    st = c0.status(since_step=before)
+    assert st.state == agent_pb2.StatusResponse.TRAINING and not st.error
+    assert [r.step for r in st.steps] == list(range(before + 1, st.steps[-1].step + 1))
+    assert procs[0].poll() is None
+
+    # ...and a proper two-phase switch still works: device 1 joins, then device 0 leaves.
+    two = parse_layout("dp=2").with_devices([0, 1])
+    rec = switch(clients, 2, one, two, rdv, reason="scale-up")
+    assert rec.result == "success" and rec.bytes > 0
+    _wait_steps(clients[1], 2)
+    only1 = parse_layout("dp=1").with_devices([1])
+    rec = switch(clients, 3, two, only1, rdv, reason="preemption")
+    assert rec.bytes == 0          # device 1 already holds the whole replica: nothing moves
+    assert clients[0].status().state == agent_pb2.StatusResponse.LEFT
+    assert procs[0].wait(15) == 0  # the leaver exits cleanly after its last Status was read
+    _wait_steps(clients[1], 2)

@@ -1,0 +1,125 @@
+"""Job manifests and scenario files: the examples load, and bad input names its field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynatrain.controller.job import JobError, job_from_manifest, load_job
+from dynatrain.controller.scenario import ScenarioError, load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _quickstart() -> dict:
+    return yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+
+
+def test_examples_load():
+    job = load_job(ROOT / "examples" / "quickstart.yaml")
+    assert job.model.name == "gpt-tiny" and job.max_workers == 4 and job.mode == "auto"
+    assert job.training.steps == 80 and job.training.seq_len == 64
+    sc = load_scenario(ROOT / "examples" / "scenario.yaml")
+    assert [e.kind for e in sc.events] == ["preempt", "join", "layout"]
+    assert sc.initial_workers == 4
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("spec", "elastic", "maxWorkers"), 0, "spec.elastic.maxWorkers"),
+    (("spec", "elastic", "minWorkers"), 9, "spec.elastic.minWorkers"),
+    (("spec", "elastic", "workers"), 7, "spec.elastic.workers"),
+    (("spec", "model", "preset"), "gpt-huge", "spec.model.preset"),
+    (("spec", "parallelism", "mode"), "magic", "spec.parallelism.mode"),
+    (("spec", "parallelism", "layout"), "dp=two", "spec.parallelism.layout"),
+    (("spec", "parallelism", "layout"), "tp=3", "spec.parallelism.layout"),
+    (("spec", "globalBatchSize"), -1, "spec.globalBatchSize"),
+    (("spec", "training", "steps"), 0, "spec.training.steps"),
+    (("spec", "training", "learningRate"), "fast", "spec.training.learningRate"),
+    (("spec", "training", "seqLen"), 4096, "spec.training.seqLen"),
+    (("spec", "agent", "port"), 70000, "spec.agent.port"),
+    (("spec", "preemptionPolicy"), "Panic", "spec.preemptionPolicy"),
+    (("kind",), "Job", "kind"),
+])
+def test_bad_manifest_names_field(path, value, field):
+    doc = _quickstart()
+    node = doc
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    with pytest.raises(JobError) as e:
+        job_from_manifest(doc)
+    assert field in str(e.value) and str(value) in str(e.value)
+
+
+def test_every_problem_reported_at_once():
+    doc = _quickstart()
+    doc["spec"]["elastic"]["maxWorkers"] = 0
+    doc["spec"]["training"]["steps"] = -3
+    with pytest.raises(JobError) as e:
+        job_from_manifest(doc)
+    assert "spec.elastic.maxWorkers" in str(e.value) and "spec.training.steps" in str(e.value)
+
+
+def test_fixed_mode_needs_layout():
+    doc = _quickstart()
+    doc["spec"]["parallelism"] = {"mode": "fixed"}
+    with pytest.raises(JobError, match="spec.parallelism.layout is required"):
+        job_from_manifest(doc)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(JobError, match="nope.yaml"):
+        load_job(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ({"events": [{"atStep": -1, "join": 1}]}, "events[0].atStep"),
+    ({"events": [{"atStep": 3}]}, "exactly one of"),
+    ({"events": [{"atStep": 3, "join": 0}]}, "events[0].join"),
+    ({"events": [{"atStep": 3, "preempt": {"workers": []}}]}, "events[0].preempt"),
+    ({"events": [{"atStep": 3, "preempt": {"workers": [1], "noticeSeconds": 0}}]},
+     "noticeSeconds"),
+    ({"events": [{"atStep": 3, "layout": "dp=x"}]}, "events[0].layout"),
+    ({"events": [{"atStep": 3, "join": 1, "oops": 2}]}, "oops"),
+    ({"initialWorkers": 0}, "initialWorkers"),
+    ({"event": []}, "unknown keys"),
+])
+def test_bad_scenario_names_field(doc, needle):
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario(doc)
+    assert needle in str(e.value)
+
+
+def test_scenario_events_sorted_by_step():
+    sc = parse_scenario({"events": [{"atStep": 9, "join": 1},
+                                    {"atStep": 2, "preempt": {"workers": [0]}}]})
+    assert [e.at_step for e in sc.events] == [2, 9]
+    assert sc.events[0].notice_seconds == 30.0
+
+
+def test_run_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    from dynatrain.cli import main
+
+    bad = _quickstart()
+    bad["spec"]["elastic"]["maxWorkers"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.elastic.maxWorkers=0" in err and "Traceback" not in err
+    sc = tmp_path / "sc.yaml"
+    sc.write_text("events: [{atStep: 1, join: 0}]")
+    assert main(["run", str(ROOT / "examples" / "quickstart.yaml"), "--scenario", str(sc)]) == 2
+    assert "events[0].join" in capsys.readouterr().err
+    assert main(["run", str(ROOT / "examples" / "quickstart.yaml"), "--device-profile",
+                 "tpu"]) == 2
+    assert "per-worker" in capsys.readouterr().err
+
+
+def test_run_help_shows_an_example(capsys):
+    from dynatrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert "--scenario" in out and "examples/quickstart.yaml" in out

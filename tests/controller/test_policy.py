@@ -1,0 +1,68 @@
+"""The controller's policy over the solver: when it switches, why, and onto which devices."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dynatrain.controller.job import load_job
+from dynatrain.controller.policy import Policy
+from dynatrain.controller.solver import PROFILES, SolverError
+from dynatrain.vps.layout import parse_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+# Every worker a device of its own, as on a cluster (and as `dynatrain run` models it).
+PROFILE = replace(PROFILES["cpu"], shared_cores=0, memory_bytes=4 << 30)
+
+
+@pytest.fixture
+def job():
+    return load_job(ROOT / "examples" / "quickstart.yaml")
+
+
+def test_start_uses_the_workers_and_fits(job):
+    d = Policy().decide(job, PROFILE, None, [0, 1, 2, 3], set(), 0)
+    assert d.reason == "start" and sorted(d.layout.device_of) == [0, 1, 2, 3]
+    assert d.estimate.fits
+
+
+def test_notice_forces_a_switch_off_the_doomed_device(job):
+    p = Policy()
+    current = p.decide(job, PROFILE, None, [0, 1, 2, 3], set(), 0).layout
+    d = p.decide(job, PROFILE, current, [0, 1, 2], {3}, 10)
+    assert d.reason == "preemption" and 3 not in d.layout.device_of
+    assert set(d.layout.device_of) <= {0, 1, 2}
+
+
+def test_new_capacity_needs_the_margin_and_the_cooldown(job):
+    p = Policy(margin=1.05, cooldown_s=3600)
+    three = p.decide(job, PROFILE, None, [0, 1, 2], set(), 0).layout
+    d = p.decide(job, PROFILE, three, [0, 1, 2, 3], set(), 20)
+    assert d is not None and d.reason == "scale-up" and 3 in d.layout.device_of
+    p.record_voluntary()
+    assert p.decide(job, PROFILE, three, [0, 1, 2, 3], set(), 21) is None   # cooling down
+    # an impossible margin never pays
+    assert Policy(margin=100.0).decide(job, PROFILE, three, [0, 1, 2, 3], set(), 20) is None
+
+
+def test_no_voluntary_switch_near_the_end(job):
+    p = Policy(margin=1.0, min_steps_left=5)
+    two = p.decide(job, PROFILE, None, [0, 1], set(), 0).layout
+    assert p.decide(job, PROFILE, two, [0, 1, 2, 3], set(), job.training.steps - 2) is None
+
+
+def test_requested_layout_wins_and_keeps_data_in_place(job):
+    p = Policy()
+    current = p.decide(job, PROFILE, None, [0, 1, 2, 3], set(), 0).layout
+    fixed = replace(job, mode="fixed", layout=parse_layout("dp=1,tp=2,pp=2"))
+    d = p.decide(fixed, PROFILE, current, [0, 1, 2, 3], set(), 30)
+    assert d.reason == "requested" and d.layout.to_text() == "dp=1,tp=2,pp=2"
+    assert sorted(d.layout.device_of) == [0, 1, 2, 3]
+    assert p.decide(fixed, PROFILE, d.layout, [0, 1, 2, 3], set(), 31) is None
+
+
+def test_too_few_workers_is_an_error_naming_min_workers(job):
+    strict = replace(job, min_workers=3)
+    current = Policy().decide(strict, PROFILE, None, [0, 1, 2, 3], set(), 0).layout
+    with pytest.raises(SolverError, match="minWorkers"):
+        Policy().decide(strict, PROFILE, current, [0, 1], {2, 3}, 5)

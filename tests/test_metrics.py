@@ -1,0 +1,214 @@
+"""DynaTrain's Prometheus metrics: the exposition text, and the numbers a real Prometheus reads.
+
+The unit tests parse what :class:`Metrics` exposes with prometheus_client's own parsers (both
+the classic text format and OpenMetrics, which Prometheus prefers when scraping). The last test
+runs the real ``prometheus`` binary against an in-process endpoint and checks the values come
+back through PromQL as observed.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynatrain.agent.metrics import PHASES, SWITCH_BUCKETS, Metrics
+from dynatrain.vps.layout import Layout
+from prometheus_server import prometheus, sample_value  # noqa: F401  (prometheus: a fixture)
+
+EXPOSED = {
+    "dynatrain_switch_duration_seconds_bucket", "dynatrain_switch_duration_seconds_sum",
+    "dynatrain_switch_duration_seconds_count", "dynatrain_switch_bytes_total",
+    "dynatrain_switches_total", "dynatrain_step_duration_seconds_bucket",
+    "dynatrain_step_duration_seconds_sum", "dynatrain_step_duration_seconds_count",
+    "dynatrain_tokens_per_second", "dynatrain_workers", "dynatrain_layout_info",
+    "dynatrain_step", "dynatrain_generation",
+}
+
+
+def samples(metrics: Metrics) -> list:
+    """Every sample of the classic text exposition, as prometheus_client parses it."""
+    text = generate_latest(metrics.registry).decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def value(metrics: Metrics, name: str, **labels) -> float:
+    found = [s.value for s in samples(metrics) if s.name == name and s.labels == labels]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]
+
+
+def busy_metrics() -> Metrics:
+    m = Metrics()
+    m.set_layout("dp=2,tp=2,pp=2,zero=1")
+    m.set_workers(8)
+    m.set_generation(3)
+    for step in (1, 2, 3):
+        m.observe_step(0.2 * step, 1000.0 * step, step)
+    m.observe_switch("scale-down", "success", {"prepare": 0.5, "pause": 0.04, "transfer": 0.03},
+                     12_345)
+    m.observe_switch("scale-down", "aborted", {"prepare": 2.0}, 0)
+    return m
+
+
+def test_exposes_exactly_the_documented_names():
+    names = {s.name for s in samples(busy_metrics())}
+    # No `_created` series either: Metrics filters them out.
+    assert names == EXPOSED
+
+
+def test_openmetrics_exposition_parses_and_has_no_created_series():
+    # Prometheus asks for OpenMetrics first; that format must be valid too.
+    text = generate_openmetrics(busy_metrics().registry).decode()
+    families = {f.name: f for f in parse_om(text)}
+    assert families["dynatrain_switch_bytes"].type == "counter"
+    assert families["dynatrain_switch_duration_seconds"].type == "histogram"
+    assert families["dynatrain_layout_info"].type == "gauge"
+    names = {s.name for f in families.values() for s in f.samples}
+    assert names == EXPOSED
+
+
+def test_histograms_counters_and_gauges_hold_what_was_observed():
+    m = busy_metrics()
+    sw = "dynatrain_switch_duration_seconds"
+    prepare = {"phase": "prepare", "reason": "scale-down"}
+    assert value(m, sw + "_count", **prepare) == 2
+    assert value(m, sw + "_sum", **prepare) == pytest.approx(2.5)
+    # Cumulative buckets from 1 ms to 60 s, then +Inf.
+    buckets = [(s.labels["le"], s.value) for s in samples(m)
+               if s.name == sw + "_bucket" and s.labels["phase"] == "prepare"]
+    assert [float(le) for le, _ in buckets] == [*SWITCH_BUCKETS, math.inf]
+    counts = dict(buckets)
+    assert (counts["0.25"], counts["0.5"], counts["1.0"], counts["2.5"], counts["+Inf"]) == \
+        (0, 1, 1, 2, 2)
+    assert value(m, sw + "_bucket", phase="pause", reason="scale-down", le="0.05") == 1
+    assert value(m, sw + "_bucket", phase="pause", reason="scale-down", le="0.025") == 0
+
+    assert value(m, "dynatrain_switch_bytes_total", reason="scale-down") == 12_345
+    assert value(m, "dynatrain_switches_total", result="success", reason="scale-down") == 1
+    assert value(m, "dynatrain_switches_total", result="aborted", reason="scale-down") == 1
+    # Every result of a seen reason exists (at 0), so rate() sees its first increment.
+    assert value(m, "dynatrain_switches_total", result="failed", reason="scale-down") == 0
+
+    assert value(m, "dynatrain_step_duration_seconds_count") == 3
+    assert value(m, "dynatrain_step_duration_seconds_sum") == pytest.approx(1.2)
+    assert value(m, "dynatrain_step_duration_seconds_bucket", le="0.5") == 2
+    assert value(m, "dynatrain_tokens_per_second") == 3000
+    assert value(m, "dynatrain_step") == 3
+    assert value(m, "dynatrain_workers") == 8
+    assert value(m, "dynatrain_generation") == 3
+
+
+def test_known_reasons_are_exposed_at_zero_before_any_switch():
+    m = Metrics(reasons=["preemption"])
+    for phase in PHASES:
+        assert value(m, "dynatrain_switch_duration_seconds_count",
+                     phase=phase, reason="preemption") == 0
+    assert value(m, "dynatrain_switch_bytes_total", reason="preemption") == 0
+    for result in ("success", "aborted", "failed"):
+        assert value(m, "dynatrain_switches_total", result=result, reason="preemption") == 0
+
+
+def test_layout_info_keeps_only_the_current_layout():
+    m = Metrics()
+
+    def info():
+        return [s for s in samples(m) if s.name == "dynatrain_layout_info"]
+
+    assert info() == []
+    m.set_layout("dp=2,tp=2,pp=2,zero=1")
+    [s] = info()
+    assert s.labels == {"dp": "2", "tp": "2", "pp": "2", "ep": "1", "zero": "1"} and s.value == 1
+    m.set_layout(Layout(dp=4, tp=2, ep=2, zero=3, stages=(2,)))  # a Layout works as well
+    [s] = info()
+    assert s.labels == {"dp": "4", "tp": "2", "pp": "1", "ep": "2", "zero": "3"}
+    m.set_layout("dp=4,tp=2,ep=2,zero=3")  # the same labels again: still one series
+    assert len(info()) == 1
+    m.set_layout(None)
+    assert info() == []
+
+
+def test_bad_input_is_rejected_and_nothing_recorded():
+    m = Metrics()
+    with pytest.raises(ValueError, match="result 'ok'"):
+        m.observe_switch("manual", "ok", {"pause": 1.0}, 10)
+    with pytest.raises(ValueError, match="rebuild"):
+        m.observe_switch("manual", "success", {"pause": 1.0, "rebuild": 0.1}, 10)
+    assert not [s for s in samples(m) if s.name.startswith("dynatrain_switch")]
+    with pytest.raises(ValueError, match="unknown key"):
+        m.set_layout("dp=2,xp=3")
+
+
+def test_each_metrics_object_has_its_own_registry():
+    a, b = Metrics(), Metrics()  # would raise "Duplicated timeseries" on a shared registry
+    a.set_workers(5)
+    assert value(a, "dynatrain_workers") == 5 and value(b, "dynatrain_workers") == 0
+    assert REGISTRY.get_sample_value("dynatrain_workers") is None  # the global one is untouched
+
+
+def test_serve_binds_a_free_port_and_exposes_the_registry():
+    m = busy_metrics()
+    server, port = m.serve()
+    try:
+        assert port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            body = r.read().decode()
+        assert "dynatrain_switch_bytes_total{reason=\"scale-down\"} 12345.0" in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_and_queries(prometheus):  # noqa: F811  (imported fixture)
+    m = Metrics(reasons=["scale-down"])
+    m.set_layout("dp=2,tp=2,pp=2,zero=1")
+    m.set_workers(8)
+    for step in (1, 2, 3):
+        m.observe_step(0.25, 1234.5, step)
+    server, port = m.serve()
+    try:
+        prometheus.add_targets("dynatrain", [f"127.0.0.1:{port}"], {"device": "0"})
+        [up] = prometheus.wait_for('up{job="dynatrain"} == 1', timeout=20)
+        assert up["metric"]["device"] == "0"  # target labels reach every series
+
+        # The switch happens after Prometheus has scraped its series at zero, so rate() over
+        # the window sees the increment.
+        m.observe_switch("scale-down", "success",
+                         {"prepare": 0.3, "pause": 0.04, "transfer": 0.03}, 5_000_000)
+        m.set_layout("dp=4,tp=2,zero=1")
+        m.set_generation(1)
+        prometheus.wait_for("dynatrain_generation == 1", timeout=10)
+
+        assert sample_value(prometheus.query("dynatrain_tokens_per_second")) == 1234.5
+        assert sample_value(prometheus.query("dynatrain_step")) == 3
+        assert sample_value(prometheus.query("dynatrain_workers")) == 8
+        assert sample_value(prometheus.query(
+            'dynatrain_switches_total{result="success"}'), reason="scale-down") == 1
+
+        # Three observations 0.03, 0.04 (in the bucket 0.025..0.05) and 0.3: the median, by
+        # linear interpolation inside that bucket, is 0.025 + 0.025 * 1.5 / 2 = 0.04375. Every
+        # bucket's rate is extrapolated by the same factor, so the ratio is exact.
+        quantile = ("histogram_quantile(0.5, sum by (le) "
+                    "(rate(dynatrain_switch_duration_seconds_bucket[1m])))")
+        result = prometheus.wait_for(
+            quantile, lambda r: r and not math.isnan(float(r[0]["value"][1])), timeout=10)
+        assert sample_value(result) == pytest.approx(0.04375, rel=1e-6)
+        assert sample_value(prometheus.query(
+            "increase(dynatrain_switch_bytes_total[1m])")) > 0
+
+        # The old layout's series went stale at the first scrape without it.
+        [layout] = prometheus.query("dynatrain_layout_info")
+        assert {k: layout["metric"][k] for k in ("dp", "tp", "pp", "ep", "zero")} == \
+            {"dp": "4", "tp": "2", "pp": "1", "ep": "1", "zero": "1"}
+        assert layout["value"][1] == "1"
+
+        assert prometheus.validate_promql(quantile)
+    finally:
+        server.shutdown()
+        server.server_close()
