@@ -1,0 +1,263 @@
+"""The Helm chart (charts/dynatrain) with a real helm and a real kube-apiserver.
+
+``helm`` is built from its Go module (``tools/helm``, :func:`dynatrain.helm.ensure_helm`), as
+the control plane is; without Go these tests skip, and under CI (``CI`` set) they fail, so a
+CI run cannot pass by skipping them. The chart must lint, render, and its rendered manifests
+must be accepted by the dev cluster's apiserver (server-side apply, strict field validation).
+The ServiceAccount's effective rights are then asked of the apiserver's own RBAC authorizer
+(SubjectAccessReview), so "least privilege" is checked where it is enforced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+from kubernetes import client
+
+from dynatrain import helm as dhelm
+from dynatrain.devcluster.build import ensure_built
+
+pytestmark = pytest.mark.k8s
+
+CHART = dhelm.CHART_DIR
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
+OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090"]
+
+# (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
+EXPECTED_RULES = {
+    ("dynatrain.io", "dynatrainjobs"): {"get", "list", "watch", "patch"},
+    ("dynatrain.io", "dynatrainjobs/status"): {"patch"},
+    ("dynatrain.io", "dynatrainjobs/scale"): {"get", "patch"},
+    ("dynatrain.io", "dynatrainjobs/finalizers"): {"update"},
+    ("", "pods"): {"create", "delete", "get", "list", "watch", "patch"},
+    ("", "services"): {"create", "delete", "get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+    ("", "nodes"): {"get", "list", "watch"},
+    ("", "secrets"): {"get"},
+    ("", "namespaces"): {"list", "watch"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
+    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
+}
+
+
+def _unavailable(reason: str):
+    # As in conftest.py: in CI a missing prerequisite is a failure, elsewhere a skip.
+    if os.environ.get("CI"):
+        pytest.fail(f"chart tests cannot run in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory):
+    """Run the helm built from tools/helm; helm's own config and caches stay in a tmp dir."""
+    try:
+        binary = dhelm.ensure_helm()
+    except dhelm.HelmUnavailable as exc:
+        _unavailable(str(exc))
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"),
+           "HELM_CACHE_HOME": str(home / "cache"), "HELM_DATA_HOME": str(home / "data")}
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(binary), *args], capture_output=True, text=True,
+                              timeout=120, env=env, check=False)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+    return run
+
+
+def render(helm, *args: str, namespace: str = "dynatrain", release: str = "dtj") -> list[dict]:
+    out = helm("template", release, str(CHART), "--namespace", namespace, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    kinds: dict[str, list[dict]] = {}
+    for d in docs:
+        kinds.setdefault(d["kind"], []).append(d)
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def kubectl(devcluster):
+    binary = ensure_built().path("kubectl")
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(binary), "--kubeconfig", str(devcluster.kubeconfig), *args],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+    return run
+
+
+# -- without a cluster ---------------------------------------------------------------------
+
+def test_chart_crd_is_a_copy_of_the_source():
+    assert dhelm.crd_in_sync(), (
+        f"{dhelm.CHART_CRD} differs from {dhelm.CRD_SOURCE}; "
+        "run `python -m dynatrain.helm --sync-crd`")
+
+
+def test_helm_is_the_pinned_version(helm):
+    out = helm("version", "--template", "{{ .Version }}").stdout.strip()
+    assert out == dhelm.pinned_version()
+
+
+def test_helm_lint(helm):
+    proc = helm("lint", "--strict", str(CHART))
+    assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout, proc.stdout
+
+
+def test_template_renders_the_operator(helm):
+    kinds = by_kind(render(helm))
+    assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                          "Service", "ConfigMap"}
+    (deploy,) = kinds["Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["dynatrain"]
+    assert container["args"] == OPERATOR_ARGS
+    assert container["image"] == "dynatrain:0.1.0"
+    assert pod["serviceAccountName"] == kinds["ServiceAccount"][0]["metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    (service,) = kinds["Service"]
+    assert service["spec"]["ports"][0]["port"] == 9090
+    assert service["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"][
+        "labels"].items()
+
+
+def test_rbac_is_least_privilege(helm):
+    (role,) = by_kind(render(helm))["ClusterRole"]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], f"wildcard in {field}: {rule}"
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted == EXPECTED_RULES
+
+
+def test_monitors_only_when_the_api_exists(helm):
+    kinds = by_kind(render(helm))
+    assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
+    kinds = by_kind(render(helm, "--api-versions", SERVICE_MONITOR_API,
+                           "--api-versions", POD_MONITOR_API))
+    (sm,) = kinds["ServiceMonitor"]
+    (service,) = kinds["Service"]
+    assert sm["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics"
+    assert {"targetLabel": "role", "replacement": "controller", "action": "replace"} in endpoint[
+        "relabelings"]
+    (pm,) = kinds["PodMonitor"]
+    relabel = pm["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_dynatrain_io_job"],
+            "targetLabel": "dynatrain_job", "action": "replace"} in relabel
+    # Each can be switched off even where the API exists.
+    kinds = by_kind(render(helm, "--api-versions", SERVICE_MONITOR_API,
+                           "--set", "serviceMonitor.enabled=false"))
+    assert "ServiceMonitor" not in kinds
+
+
+def test_dashboard_configmap(helm):
+    (cm,) = by_kind(render(helm))["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["dynatrain.json"])
+    assert dashboard == json.loads(dhelm.DASHBOARD.read_text())
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Switch pause p50 / p95 / p99", "Switch duration by phase", "Bytes moved by switches",
+            "Switches by reason and result", "Workers and GPUs", "Step time p50 / p95",
+            "Tokens per second"} <= titles
+    variables = {v["name"]: v["type"] for v in dashboard["templating"]["list"]}
+    assert variables["datasource"] == "datasource"
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_include_crds_renders_the_source_crd(helm):
+    crds = by_kind(render(helm, "--include-crds"))["CustomResourceDefinition"]
+    assert crds == [yaml.safe_load(dhelm.CRD_SOURCE.read_text())]
+
+
+# -- against the dev cluster's apiserver --------------------------------------------------
+
+def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, namespace,
+                                                 tmp_path):
+    release = f"r{namespace}"  # cluster-scoped RBAC names must not clash between tests
+    manifest = tmp_path / "chart.yaml"
+    manifest.write_text(helm("template", release, str(CHART), "--namespace", namespace,
+                             "--include-crds").stdout)
+    # Server-side apply validates every field strictly: a typo in a template is an error.
+    out = kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=helm-test",
+                  "-f", str(manifest)).stdout
+    fullname = f"{release}-dynatrain"
+    for obj in (f"serviceaccount/{fullname}", f"deployment.apps/{fullname}",
+                f"service/{fullname}-metrics", f"configmap/{fullname}-dashboard",
+                f"clusterrole.rbac.authorization.k8s.io/{fullname}",
+                f"clusterrolebinding.rbac.authorization.k8s.io/{fullname}",
+                "customresourcedefinition.apiextensions.k8s.io/dynatrainjobs.dynatrain.io"):
+        assert obj in out, f"{obj} not applied:\n{out}"
+    deploy = json.loads(kubectl("get", "deployment", fullname, "-n", namespace, "-o",
+                                "json").stdout)
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["args"] == OPERATOR_ARGS
+
+    # The ServiceAccount's effective rights, as the apiserver's RBAC authorizer decides them
+    # (a SubjectAccessReview: exactly the question the apiserver asks on each request).
+    authz = client.AuthorizationV1Api(devcluster.api_client())
+    user = f"system:serviceaccount:{namespace}:{fullname}"
+
+    def can(verb: str, resource: str, subresource: str = "") -> bool:
+        resource, _, group = resource.partition(".")
+        review = authz.create_subject_access_review({
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": ["system:serviceaccounts",
+                                              f"system:serviceaccounts:{namespace}"],
+                     "resourceAttributes": {"verb": verb, "group": group, "resource": resource,
+                                            "subresource": subresource,
+                                            "namespace": namespace}}})
+        return review.status.allowed
+
+    allowed = [("watch", "dynatrainjobs.dynatrain.io"),
+               ("patch", "dynatrainjobs.dynatrain.io", "status"),
+               ("get", "dynatrainjobs.dynatrain.io", "scale"),
+               ("patch", "dynatrainjobs.dynatrain.io", "scale"),
+               ("update", "dynatrainjobs.dynatrain.io", "finalizers"),
+               ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
+               ("create", "services"), ("get", "secrets"), ("list", "nodes"),
+               ("create", "events"), ("list", "namespaces"),
+               ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+               ("patch", "clusterkopfpeerings.kopf.dev"), ("patch", "kopfpeerings.kopf.dev")]
+    denied = [("delete", "dynatrainjobs.dynatrain.io"), ("create", "dynatrainjobs.dynatrain.io"),
+              ("update", "dynatrainjobs.dynatrain.io"),
+              ("update", "dynatrainjobs.dynatrain.io", "status"),
+              ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
+              ("create", "deployments.apps"), ("patch", "nodes"), ("delete", "nodes"),
+              ("update", "pods"), ("create", "pods", "exec"), ("create", "pods", "eviction"),
+              ("patch", "services"), ("delete", "namespaces"), ("get", "configmaps"),
+              ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+              ("create", "clusterroles.rbac.authorization.k8s.io"),
+              ("create", "kopfpeerings.kopf.dev")]
+    assert [a for a in allowed if not can(*a)] == []
+    assert [d for d in denied if can(*d)] == []
