@@ -238,7 +238,10 @@ class Worker:
             if due is not None:
                 self._switch(due)
                 if self.state == State.LEFT:
-                    self.left_read.wait(LINGER_SECONDS)
+                    deadline = time.monotonic() + LINGER_SECONDS
+                    while not (self.left_read.wait(0.2) or self.stopping
+                               or time.monotonic() > deadline):
+                        pass
                     return 0
                 continue
             result = self.trainer.train_step(signal_value)
@@ -345,9 +348,10 @@ class Worker:
         self.rendezvous = rendezvous
 
     def stop(self) -> None:
-        with self.lock:
-            self.stopping = True
-            self.wake.notify_all()
+        """Ask the loop to end at the next step boundary. Safe in a signal handler: it takes
+        no lock (the handler runs on the main thread, which may hold the lock right then);
+        the loop polls the flag at least every 0.2 s."""
+        self.stopping = True
 
 
 def _watch_parent(pid: int, worker: Worker) -> None:

@@ -26,7 +26,7 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dynatrain import bench_switch, plan_cmd, run_cmd, train_cmd
+    from dynatrain import bench_switch, operator_cmd, plan_cmd, run_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="dynatrain",
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.register(sub)
     train_cmd.register(sub)
     run_cmd.register(sub)
+    operator_cmd.register(sub)
     bench_switch.register(sub)
     try:  # the local control plane for operator development (optional module)
         from dynatrain.devcluster import cli as devcluster_cli
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:   # its options are the worker's own (argparse would eat them)
+        from dynatrain.agent.worker import main as worker_main
+
+        return worker_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

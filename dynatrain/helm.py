@@ -48,6 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHART_DIR = REPO / "charts" / "dynatrain"
 CRD_SOURCE = REPO / "crds" / "dynatrainjob.yaml"
 CHART_CRD = CHART_DIR / "crds" / "dynatrainjob.yaml"
+CRD_SOURCES = (CRD_SOURCE, REPO / "crds" / "kopf-peering.yaml")
+"""Every CRD file the chart carries a copy of (the operator's peering CRDs too)."""
 DASHBOARD = CHART_DIR / "dashboards" / "dynatrain.json"
 
 HELM_MODULE = "helm.sh/helm/v4"
@@ -226,17 +228,23 @@ def _build(toolchain: HelmToolchain, target: Path, log: Callable[[str], None]) -
 
 # -- the chart's CRD copy -------------------------------------------------------------------
 
+def _chart_copy(source: Path) -> Path:
+    return CHART_DIR / "crds" / source.name
+
+
 def crd_in_sync() -> bool:
-    """Whether the chart's CRD is byte-identical to ``crds/dynatrainjob.yaml``."""
-    return CHART_CRD.is_file() and CHART_CRD.read_bytes() == CRD_SOURCE.read_bytes()
+    """Whether the chart's CRDs are byte-identical to their sources in ``crds/``."""
+    return all(_chart_copy(src).is_file() and _chart_copy(src).read_bytes() == src.read_bytes()
+               for src in CRD_SOURCES)
 
 
 def sync_crd() -> bool:
-    """Copy ``crds/dynatrainjob.yaml`` into the chart; returns whether anything changed."""
+    """Copy the CRDs of ``crds/`` into the chart; returns whether anything changed."""
     if crd_in_sync():
         return False
     CHART_CRD.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(CRD_SOURCE, CHART_CRD)
+    for src in CRD_SOURCES:
+        shutil.copyfile(src, _chart_copy(src))
     return True
 
 

@@ -54,11 +54,9 @@ def register(sub) -> None:
                    help="estimated speedup a voluntary switch needs (default 1.10)")
     p.set_defaults(func=run_job)
 
-    w = sub.add_parser("worker", help="one worker process with its agent (started for you "
-                       "by `run` and by the operator)", add_help=False)
-    w.add_argument("args", nargs=argparse.REMAINDER)
-    w.set_defaults(func=lambda a: __import__("dynatrain.agent.worker",
-                                             fromlist=["main"]).main(a.args))
+    # Listed for --help; `dynatrain worker ...` is dispatched before parsing (see cli.main).
+    sub.add_parser("worker", help="one worker process with its agent (started for you by "
+                   "`run` and by the operator's pods; `dynatrain worker --help`)")
 
 
 def run_job(args) -> int:

@@ -58,6 +58,9 @@ class JobController:
         self.switches: list[SwitchRecord] = []
         self.progress = Progress()
         self._seen: dict[int, int] = {}
+        self.before_switch = None
+        """Called with (old layout, new layout, reason) before a switch starts (the operator
+        shows the job as Switching)."""
 
     # -- capacity ------------------------------------------------------------------------------
     def add_device(self, device: int, client: AgentClient) -> None:
@@ -92,6 +95,69 @@ class JobController:
 
     def _report_workers(self) -> None:
         self.metrics.set_workers(len(self.usable))
+
+    # -- taking over a running job ---------------------------------------------------------------
+    def adopt(self) -> str:
+        """Take over a job whose agents already run (the controller restarted).
+
+        The running generation is the highest that any agent runs; its layout and devices come
+        from those agents. A generation prepared but not switched is finished when every device
+        of it is ready and one of them already holds its Commit (the old controller was inside
+        phase two: the others must commit too, or the committed ones wait forever), and is
+        aborted otherwise (phase one: nothing moved; the policy will decide again).
+        Returns what was found, for the log.
+        """
+        statuses = {}
+        for d, c in self.clients.items():
+            try:
+                statuses[d] = c.status(since_step=1 << 62)
+            except AgentCallError:
+                continue
+        running = [st for st in statuses.values()
+                   if st.state in (State.TRAINING, State.FINISHED, State.SWITCHING)
+                   and st.generation > 0]
+        self.generation = max([st.generation for st in statuses.values()]
+                              + [st.prepared_generation for st in statuses.values()] + [0])
+        if not running:
+            return "no running generation: starting fresh"
+        top = max(st.generation for st in running)
+        lead = next(st for st in running if st.generation == top and st.layout)
+        from dynatrain.vps.layout import parse_layout
+
+        self.layout = parse_layout(lead.layout).with_devices(lead.devices)
+        for d in self.layout.device_of:
+            if d in statuses:
+                self._seen[d] = statuses[d].step
+        self.progress.step = max(st.step for st in running)
+        found = f"running generation {top}: {self.layout.to_text()} on {list(lead.devices)}"
+        pending = {d: st for d, st in statuses.items() if st.prepared_generation > top}
+        if not pending:
+            return found
+        g = max(st.prepared_generation for st in pending.values())
+        sample = next(st for st in pending.values() if st.prepared_generation == g)
+        new = parse_layout(sample.prepared_layout).with_devices(sample.prepared_devices)
+        members = sorted(set(self.layout.device_of) | set(new.device_of))
+        ready = all(d in pending and pending[d].prepared_generation == g
+                    and pending[d].prepared_ready for d in members)
+        if ready and any(st.prepared_committed for st in pending.values()):
+            from .orchestrator import _fan_out
+
+            replies = _fan_out(lambda d: self.clients[d].commit(
+                g, 0, timeout_s=self.timeouts.commit_s), members)
+            bad = [(d, r) for d, r in zip(members, replies) if isinstance(r, Exception)]
+            if bad:
+                raise JobFailed(f"finishing generation {g} after a restart failed: {bad}")
+            old, self.layout = self.layout, new
+            self.metrics.set_layout(new)
+            self.metrics.set_generation(g)
+            return found + f"; finished the committed switch to generation {g} ({_text(old)} " \
+                           f"-> {new.to_text()})"
+        for d, st in pending.items():
+            try:
+                self.clients[d].abort(st.prepared_generation, "controller restarted")
+            except AgentCallError:
+                pass
+        return found + f"; aborted the uncommitted generation {g}"
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> SwitchRecord | None:
@@ -145,6 +211,8 @@ class JobController:
     def _switch(self, new: Layout, reason: str) -> SwitchRecord:
         old = self.layout
         last_error = None
+        if self.before_switch is not None:
+            self.before_switch(old, new, reason)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.generation += 1
             try:

@@ -5,15 +5,18 @@
   state on the doomed device.
 - **A requested layout** (``parallelism.mode: fixed`` with a layout that differs from the
   running one): switch at once.
-- **New capacity, or a better layout for the same devices**: switch only when the estimated
-  throughput beats the running layout's by ``margin`` (a switch costs a pause; estimates are
-  not exact), and not within ``cooldown_s`` of the last voluntary switch (capacity that flaps
-  must not make the job flap).
+- **New capacity**: grow to the most devices (up to ``spec.elastic.workers`` or
+  ``maxWorkers``) for which a layout exists, with the solver's best layout for that count: the
+  user's bounds say how many GPUs the job should use, the solver says how to use them.
+- **A better layout for the same devices**: switch only when the estimated throughput beats
+  the running layout's by ``margin`` (a switch costs a pause; estimates are not exact).
+- Neither of the last two within ``cooldown_s`` of the last voluntary switch (capacity that
+  flaps must not make the job flap).
 - Never start a voluntary switch within ``min_steps_left`` steps of the end of the job.
 
 Which devices a new layout uses: the devices of the running layout first (their state is
-already in place), then the lowest ids; the solver may use fewer devices than are available
-when no layout fits all of them (e.g. 5 devices for a batch of 8).
+already in place), then the lowest ids; fewer devices than are available only when no layout
+uses all of them (e.g. 5 devices for a global batch of 12).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.placement import place_devices
 
 from .job import JobSpec
-from .solver import DeviceProfile, Estimate, SolverError, best_for_devices, estimate, solve
+from .solver import DeviceProfile, Estimate, SolverError, estimate, solve
 
 
 @dataclass
@@ -73,21 +76,34 @@ class Policy:
             return None
         if time.monotonic() - self.last_voluntary < self.cooldown_s:
             return None
-        best = self._best(job, profile, cap, kw)
+        for n in range(cap, current.world, -1):      # new capacity: grow to the maximum
+            try:
+                bigger = solve(job.model, n, profile, **kw)
+            except SolverError:
+                continue                              # no layout uses exactly n devices
+            return self._place(job, current, usable, bigger, "scale-up")
+        best = solve(job.model, current.world, profile, **kw)
         now = estimate(job.model, current, profile, **kw)
         if best.tokens_per_second < self.margin * now.tokens_per_second:
             return None
-        grew = best.layout.world > current.world
-        return self._place(job, current, usable, best, "scale-up" if grew else "better-layout")
+        return self._place(job, current, usable, best, "better-layout")
 
     def record_voluntary(self) -> None:
         self.last_voluntary = time.monotonic()
 
     @staticmethod
     def _best(job, profile, cap: int, kw) -> Estimate:
+        """The solver's best layout on the most devices (<= cap) that some layout can use."""
         if job.mode == "fixed" and job.layout is not None and job.layout.world <= cap:
             return solve(job.model, job.layout.world, profile, fixed=job.layout, **kw)
-        return best_for_devices(job.model, cap, profile, min_devices=job.min_workers, **kw)
+        errors = []
+        for n in range(cap, max(1, job.min_workers) - 1, -1):
+            try:
+                return solve(job.model, n, profile, **kw)
+            except SolverError as e:
+                errors.append(f"{n} devices: {e}")
+        raise SolverError("no layout fits between spec.elastic.minWorkers="
+                          f"{job.min_workers} and {cap} devices: " + "; ".join(errors))
 
     @staticmethod
     def _place(job, current: Layout | None, usable: list[int], best: Estimate,

@@ -733,6 +733,8 @@ def _raw_layouts(model: ModelSpec, num_devices: int, zero_stages, max_tp: int | 
     """Valid layouts of ``num_devices`` ignoring the batch; ZeRO > 0 only where dp > 1 (with
     one data-parallel rank ZeRO shards nothing and only costs)."""
     zero_stages = tuple(dict.fromkeys(zero_stages))
+    if not zero_stages or any(z not in (0, 1, 3) for z in zero_stages):
+        raise SolverError(f"zero_stages={zero_stages!r} must list ZeRO stages from 0, 1, 3")
     for tp in _divisors(num_devices):
         if max_tp is not None and tp > max_tp:
             continue
@@ -904,7 +906,12 @@ def measure_cpu_profile(threads: int | None = None, *,
       streaming kernel of a step);
     * ``elementwise_bytes_per_second``: bytes read and written by a layer norm, a residual
       add, a GELU and a copy of 512 K floats (a transformer block's elementwise mix: the
-      GELU, compute-bound on a CPU, takes most of the time).
+      GELU, compute-bound on a CPU, takes most of the time);
+    * ``attention_flops_per_second``: causal ``scaled_dot_product_attention`` forward +
+      backward at 128 tokens, 8 heads of 32 (the tiny presets; longer sequences and wider
+      heads run faster, so larger models get a pessimistic figure);
+    * ``op_seconds``: one forward + backward of the trainer's GPT block at a negligible size,
+      divided by its operator count.
 
     All run with ``threads`` threads (default 1) and are divided by it: the profile is per
     core, ``shared_cores`` is this machine's core count, and the cost model gives a rank of a
@@ -942,11 +949,12 @@ def measure_cpu_profile(threads: int | None = None, *,
             y.copy_(g)                                 # read n, write n
         elementwise = _best_rate(mix, 9 * 4 * x.numel(), repeats=10, budget_s=0.2) / threads
 
-        q, k, v = (torch.randn(1, 8, 256, 64, requires_grad=True) for _ in range(3))
+        # the attention of the tiny presets the local runner trains: 128 tokens, head dim 32
+        q, k, v = (torch.randn(1, 8, 128, 32, requires_grad=True) for _ in range(3))
 
         def attention():
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        attn = _best_rate(attention, 3 * 2 * 256 * 256 * 8 * 64, repeats=5,
+        attn = _best_rate(attention, 3 * 2 * 128 * 128 * 8 * 32, repeats=10,
                           budget_s=0.2) / threads
         op_seconds = _probe_op_seconds()
     finally:
@@ -990,7 +998,8 @@ def _probe_op_seconds() -> float:
     return 1 / _best_rate(run, BLOCK_OPS["gpt"], repeats=20, budget_s=0.2)
 
 
-def _link_worker(rank: int, world: int, port: int, large: int, repeats: int, results) -> None:
+def _link_worker(rank: int, world: int, port: int, message: int, large: int, repeats: int,
+                 results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -1007,9 +1016,10 @@ def _link_worker(rank: int, world: int, port: int, large: int, repeats: int, res
                 group = dist.new_group(list(range(start, start + n)))
                 if start <= rank < start + n:
                     mine[n] = group
-        # ~0.5 ms of matmul between collectives, like a small model's TP segment
-        a = torch.randn(320, 320)
-        one, big = torch.zeros(1), torch.zeros(large // 4)
+        # ~1 ms of single-core matmul between collectives, like a small model's TP segment,
+        # and a message of a small model's activation
+        a = torch.randn(400, 400)
+        one, big = torch.zeros(message // 4), torch.zeros(large // 4)
         for n in sizes:
             dist.all_reduce(one, group=mine[n])
         for _ in range(3):
@@ -1041,17 +1051,20 @@ def _link_worker(rank: int, world: int, port: int, large: int, repeats: int, res
         dist.destroy_process_group()
 
 
-def measure_gloo_link(world: int, *, large_bytes: int = 4 << 20, repeats: int = 40,
+def measure_gloo_link(world: int, *, message_bytes: int = 128 << 10,
+                      large_bytes: int = 4 << 20, repeats: int = 30,
                       timeout_s: float = 300.0) -> GlooLink:
     """Latency and bandwidth of gloo collectives among ``world`` processes on this machine,
     each with the threads run_local would give it. Starts processes: takes a few seconds.
 
-    Latency, for every group size n dividing the world, is what a one-float all-reduce in
-    groups of n adds to a loop of ~0.5 ms matmuls that every rank runs, not its time in an
-    otherwise idle loop: in training, collectives sit between compute, and when a group has
-    more ranks than can run at once (4 ranks on 2 cores) the collective also waits until the
-    scheduler has run every member, which costs milliseconds. Bandwidth comes from a
-    ``large_bytes`` all-reduce over the world via the ring formula."""
+    Latency, for every group size n dividing the world, is what an all-reduce of
+    ``message_bytes`` (a small model's activation, 128 KiB) in groups of n adds to a loop of
+    ~1 ms matmuls that every rank runs, less its bandwidth term; not its time in an otherwise
+    idle loop. In training, collectives sit between compute, and when ranks outnumber cores
+    (4 ranks on 2 cores) each of a ring's 2 (n - 1) steps may wait for the scheduler to run
+    the peer, which costs milliseconds: ten times the idle figure, and more for larger
+    groups. Bandwidth comes from a ``large_bytes`` all-reduce over the world via the ring
+    formula."""
     if world < 2:
         return GlooLink(PROFILES["cpu"].latency_seconds,
                         PROFILES["cpu"].intra_node_bytes_per_second)
@@ -1065,7 +1078,8 @@ def measure_gloo_link(world: int, *, large_bytes: int = 4 << 20, repeats: int = 
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = mp.start_processes(_link_worker, args=(world, port, large_bytes, repeats, results),
+    procs = mp.start_processes(_link_worker, args=(world, port, message_bytes, large_bytes,
+                                                   repeats, results),
                                nprocs=world, join=False, start_method="spawn")
     try:
         t = results.get(timeout=timeout_s)
@@ -1075,8 +1089,8 @@ def measure_gloo_link(world: int, *, large_bytes: int = 4 << 20, repeats: int = 
         raise RuntimeError(f"gloo link probe with {world} processes did not finish in "
                            f"{timeout_s:.0f} s") from None
     procs.join(timeout=60)
-    groups = tuple((n, max(seconds, t["small"] if n == world else 0.0, 1e-6))
+    bandwidth = 2 * (world - 1) / world * (large_bytes - message_bytes) \
+        / max(t["large"] - t["small"], 1e-9)
+    groups = tuple((n, max(seconds - 2 * (n - 1) / n * message_bytes / bandwidth, 1e-6))
                    for n, seconds in sorted(t["groups"].items()))
-    latency = dict(groups)[world]
-    bandwidth = 2 * (world - 1) / world * large_bytes / max(t["large"] - t["small"], 1e-9)
-    return GlooLink(latency, bandwidth, groups)
+    return GlooLink(dict(groups)[world], bandwidth, groups)

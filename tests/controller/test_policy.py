@@ -34,15 +34,22 @@ def test_notice_forces_a_switch_off_the_doomed_device(job):
     assert set(d.layout.device_of) <= {0, 1, 2}
 
 
-def test_new_capacity_needs_the_margin_and_the_cooldown(job):
-    p = Policy(margin=1.05, cooldown_s=3600)
+def test_new_capacity_grows_to_the_maximum_after_the_cooldown(job):
+    p = Policy(margin=100.0, cooldown_s=3600)    # growth does not wait for an estimate
     three = p.decide(job, PROFILE, None, [0, 1, 2], set(), 0).layout
-    d = p.decide(job, PROFILE, three, [0, 1, 2, 3], set(), 20)
+    d = p.decide(job, PROFILE, three, [0, 1, 2, 3, 4], set(), 20)
     assert d is not None and d.reason == "scale-up" and 3 in d.layout.device_of
+    assert d.layout.world == 4              # 5 devices: no layout of a 12-batch uses 5
     p.record_voluntary()
     assert p.decide(job, PROFILE, three, [0, 1, 2, 3], set(), 21) is None   # cooling down
-    # an impossible margin never pays
-    assert Policy(margin=100.0).decide(job, PROFILE, three, [0, 1, 2, 3], set(), 20) is None
+
+
+def test_better_layout_for_the_same_devices_needs_the_margin(job):
+    poor = parse_layout("tp=4").with_devices([0, 1, 2, 3])
+    assert Policy(margin=100.0).decide(job, PROFILE, poor, [0, 1, 2, 3], set(), 20) is None
+    d = Policy(margin=1.0).decide(job, PROFILE, poor, [0, 1, 2, 3], set(), 20)
+    assert d is not None and d.reason == "better-layout" and d.layout.to_text() != "dp=1,tp=4,pp=1"
+    assert d.estimate.tokens_per_second > 0
 
 
 def test_no_voluntary_switch_near_the_end(job):

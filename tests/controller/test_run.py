@@ -38,6 +38,7 @@ def _values(result) -> list[float]:
 
 def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):  # noqa: F811
     sd = prometheus.workdir / "targets.json"
+    started = time.time()
     elastic = _run(tmp_path, "elastic", "--scenario", str(SCENARIO), "--prometheus-sd", str(sd))
     steps = elastic["steps"]
     assert steps == 80
@@ -79,6 +80,16 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     workers_seen = {r["metric"]["device"] for r in prometheus.query(
         'max_over_time(up{role="worker"}[10m]) == 1')}
     assert len(workers_seen) >= 4
+
+    # every Grafana panel of the Helm chart's dashboard shows data for this run
+    from dynatrain.helm import dashboard_queries
+
+    ended = time.time()
+    for title, expr in dashboard_queries(rate_interval="1m"):
+        series = prometheus.query_range(expr, started, ended + 30, step=2)
+        values = [float(v) for s in series for _, v in s["values"]]
+        finite = [v for v in values if v == v and abs(v) != float("inf")]
+        assert finite, f"dashboard panel {title!r} has no data for a real run: {expr}"
 
     # the same job without switches: the same loss curve
     steady = _run(tmp_path, "steady")

@@ -53,6 +53,9 @@ def devcluster(tmp_path_factory):
         # (pytest keeps the last 3 runs) and the path shows in the report.
         workdir=tmp_path_factory.mktemp("devcluster"),
         kubeconfig=None,
+        # Loopback pod IPs: the operator tests run each worker pod as a local process that
+        # binds its pod IP, and the operator reaches it there, as on a cluster network.
+        pod_cidr="127.20.0.0/16",
     )
     with DevCluster(config) as cluster:
         yield cluster

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.k8s
 CHART = dhelm.CHART_DIR
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
-OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090"]
+OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090",
+                 "--peering", "dynatrain"]
 
 # (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
 EXPECTED_RULES = {
@@ -38,7 +39,8 @@ EXPECTED_RULES = {
     ("", "services"): {"create", "delete", "get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("", "nodes"): {"get", "list", "watch"},
-    ("", "secrets"): {"get"},
+    ("", "secrets"): {"get", "create"},       # create: the agents' token when none is named
+    ("", "configmaps"): {"get", "create"},    # the job manifest, mounted into the workers
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
@@ -121,7 +123,7 @@ def test_helm_lint(helm):
 def test_template_renders_the_operator(helm):
     kinds = by_kind(render(helm))
     assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                          "Service", "ConfigMap"}
+                          "Service", "ConfigMap", "ClusterKopfPeering"}
     (deploy,) = kinds["Deployment"]
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -198,7 +200,9 @@ def test_dashboard_configmap(helm):
 
 def test_include_crds_renders_the_source_crd(helm):
     crds = by_kind(render(helm, "--include-crds"))["CustomResourceDefinition"]
-    assert crds == [yaml.safe_load(dhelm.CRD_SOURCE.read_text())]
+    sources = [d for src in dhelm.CRD_SOURCES for d in yaml.safe_load_all(src.read_text()) if d]
+    key = lambda d: d["metadata"]["name"]  # noqa: E731
+    assert sorted(crds, key=key) == sorted(sources, key=key)
 
 
 # -- against the dev cluster's apiserver --------------------------------------------------
@@ -206,12 +210,20 @@ def test_include_crds_renders_the_source_crd(helm):
 def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, namespace,
                                                  tmp_path):
     release = f"r{namespace}"  # cluster-scoped RBAC names must not clash between tests
-    manifest = tmp_path / "chart.yaml"
-    manifest.write_text(helm("template", release, str(CHART), "--namespace", namespace,
-                             "--include-crds").stdout)
+    docs = [d for d in yaml.safe_load_all(helm("template", release, str(CHART), "--namespace",
+                                                namespace, "--include-crds").stdout) if d]
+    # As `helm install` does: the CRDs first, established before the objects of their kinds.
+    crds, rest = tmp_path / "crds.yaml", tmp_path / "chart.yaml"
+    crds.write_text(yaml.safe_dump_all([d for d in docs
+                                        if d["kind"] == "CustomResourceDefinition"]))
+    rest.write_text(yaml.safe_dump_all([d for d in docs
+                                        if d["kind"] != "CustomResourceDefinition"]))
     # Server-side apply validates every field strictly: a typo in a template is an error.
     out = kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=helm-test",
-                  "-f", str(manifest)).stdout
+                  "-f", str(crds)).stdout
+    kubectl("wait", "--for=condition=Established", "--timeout=30s", "-f", str(crds))
+    out += kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=helm-test",
+                   "-f", str(rest)).stdout
     fullname = f"{release}-dynatrain"
     for obj in (f"serviceaccount/{fullname}", f"deployment.apps/{fullname}",
                 f"service/{fullname}-metrics", f"configmap/{fullname}-dashboard",
@@ -245,17 +257,18 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
                ("patch", "dynatrainjobs.dynatrain.io", "scale"),
                ("update", "dynatrainjobs.dynatrain.io", "finalizers"),
                ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
-               ("create", "services"), ("get", "secrets"), ("list", "nodes"),
+               ("create", "services"), ("get", "secrets"), ("create", "secrets"),
+               ("get", "configmaps"), ("create", "configmaps"), ("list", "nodes"),
                ("create", "events"), ("list", "namespaces"),
                ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
                ("patch", "clusterkopfpeerings.kopf.dev"), ("patch", "kopfpeerings.kopf.dev")]
     denied = [("delete", "dynatrainjobs.dynatrain.io"), ("create", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io", "status"),
-              ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
+              ("list", "secrets"), ("watch", "secrets"), ("delete", "secrets"),
               ("create", "deployments.apps"), ("patch", "nodes"), ("delete", "nodes"),
               ("update", "pods"), ("create", "pods", "exec"), ("create", "pods", "eviction"),
-              ("patch", "services"), ("delete", "namespaces"), ("get", "configmaps"),
+              ("patch", "services"), ("delete", "namespaces"), ("list", "configmaps"),
               ("create", "customresourcedefinitions.apiextensions.k8s.io"),
               ("create", "clusterroles.rbac.authorization.k8s.io"),
               ("create", "kopfpeerings.kopf.dev")]

@@ -1,0 +1,48 @@
+"""``dynatrain operator``: run the Kubernetes operator (kopf) for DynaTrainJob objects."""
+
+from __future__ import annotations
+
+import os
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "operator", help="run the Kubernetes operator for DynaTrainJob objects",
+        description="Watch DynaTrainJob objects and run each job: worker pods, the best "
+        "layout for the GPUs at hand, live switches off preempted nodes and onto new ones. "
+        "Uses the in-cluster service account, or KUBECONFIG / --kubeconfig outside a cluster.")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then "
+                   "$KUBECONFIG / ~/.kube/config)")
+    p.add_argument("--namespace", action="append", default=[],
+                   help="watch only this namespace (repeatable; default: all)")
+    p.add_argument("--liveness", metavar="URL", default=None,
+                   help="serve a health endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port")
+    p.add_argument("--rendezvous-host", default=None,
+                   help="address the workers reach this operator at (default $POD_IP)")
+    p.add_argument("--standalone", action="store_true",
+                   help="no peering: act even if other operators run (single replica)")
+    p.add_argument("--peering", default="dynatrain",
+                   help="peering name: among replicas with the same name, one acts")
+    p.add_argument("--priority", type=int, default=0, help="peering priority")
+    p.add_argument("--peering-lifetime", type=int, default=60,
+                   help="seconds a silent replica counts as alive (default 60)")
+    p.set_defaults(func=run_operator)
+
+
+def run_operator(args) -> int:
+    import kopf
+
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    os.environ["DYNATRAIN_METRICS_PORT"] = str(args.metrics_port)
+    os.environ["DYNATRAIN_PEERING_LIFETIME_S"] = str(args.peering_lifetime)
+    if args.rendezvous_host:
+        os.environ["DYNATRAIN_RENDEZVOUS_HOST"] = args.rendezvous_host
+    from dynatrain.operator import handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=False)
+    kopf.run(standalone=args.standalone, peering_name=args.peering, priority=args.priority,
+             clusterwide=not args.namespace, namespaces=args.namespace,
+             liveness_endpoint=args.liveness)
+    return 0

@@ -1,0 +1,276 @@
+"""The operator against the real control plane, with real worker processes and real switches.
+
+kwok simulates the GPU nodes and runs no containers; :class:`PodProcesses` starts each worker
+pod's command as a local process on its (loopback) pod IP. Everything else is the real thing:
+kubectl apply, the scheduler placing pods on GPU nodes, the operator (a separate process, as in
+a cluster) creating pods, reading taints, driving the agents over gRPC, and the trainers
+switching layout live.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynatrain.devcluster import NodePool
+from dynatrain.devcluster.build import ensure_built
+from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
+
+from pod_processes import PodProcesses
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(what: str, fn, timeout: float = 90.0, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def kubectl(devcluster):
+    binary = ensure_built().path("kubectl")
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([str(binary), "--kubeconfig", str(devcluster.kubeconfig), *args],
+                              capture_output=True, text=True, timeout=60, check=check)
+    return run
+
+
+class Operator:
+    """`dynatrain operator` as a separate process, restartable."""
+
+    def __init__(self, devcluster, namespace: str, workdir: Path):
+        self.kubeconfig, self.namespace, self.workdir = devcluster.kubeconfig, namespace, workdir
+        self.metrics_port = _free_port()
+        self.proc = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.workdir / f"operator-{self.starts}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynatrain", "operator", "--kubeconfig",
+             str(self.kubeconfig), "--namespace", self.namespace, "--metrics-port",
+             str(self.metrics_port), "--rendezvous-host", "127.0.0.1", "--peering",
+             "dynatrain-test", "--peering-lifetime", "4"],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": "0.3",
+                 "DYNATRAIN_METRICS_ADDR": "127.0.0.1"})
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def logs(self) -> str:
+        return "\n".join((self.workdir / f"operator-{i}.log").read_text()
+                         for i in range(1, self.starts + 1))
+
+    def metrics(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+
+@pytest.fixture
+def operator(devcluster, kubectl, namespace, tmp_path):
+    kubectl("apply", "--server-side", "--force-conflicts", "-f",
+            str(ROOT / "crds" / "dynatrainjob.yaml"), "-f", str(ROOT / "crds" / "kopf-peering.yaml"))
+    kubectl("wait", "--for=condition=Established", "--timeout=30s",
+            "crd/dynatrainjobs.dynatrain.io", "crd/kopfpeerings.kopf.dev")
+    peering = tmp_path / "peering.yaml"
+    peering.write_text(yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                                       "metadata": {"name": "dynatrain-test"}}))
+    kubectl("apply", "-n", namespace, "-f", str(peering))
+    op = Operator(devcluster, namespace, tmp_path)
+    pods = PodProcesses(devcluster.core(), namespace, tmp_path / "pods",
+                        selector="dynatrain.io/job")
+    with pods:
+        op.start()
+        try:
+            yield op, pods
+        finally:
+            op.stop()
+            print(op.logs()[-8000:])
+
+
+def _job(name: str, **over) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "dynatrainjob.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    spec = doc["spec"]
+    spec["model"] = {"preset": "gpt-tiny"}
+    spec["resources"] = {"gpus": over.get("gpus", 1)}
+    spec["elastic"] = {"minWorkers": 1, "maxWorkers": over.get("max_workers", 4)}
+    spec["parallelism"] = {"mode": "auto"}
+    spec["globalBatchSize"] = 12
+    spec["training"] = {"steps": 100000, "seqLen": 32, "learningRate": 0.0003}
+    spec.pop("checkpoint", None)
+    spec["agent"] = {"port": 50051}
+    return doc
+
+
+def _get(custom, namespace, name) -> dict:
+    return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def _events(core, namespace, name) -> list:
+    return [e for e in core.list_namespaced_event(namespace).items
+            if e.involved_object.name == name and e.involved_object.kind == "DynaTrainJob"]
+
+
+def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_path):
+    op, pods = operator
+    core = devcluster.core()
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    # Whole-node workers (8 GPUs each) make capacity exact: one worker per GPU node.
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(_job("elastic", gpus=8, max_workers=6)))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+
+    def running():
+        st = _get(custom, namespace, "elastic").get("status", {})
+        return st if st.get("phase") == "Running" and st.get("layout") else None
+
+    st = _wait("the job to run", running, timeout=150)
+    gpu_nodes = {n.metadata.name for n in core.list_node().items
+                 if int((n.status.allocatable or {}).get("nvidia.com/gpu", "0")) > 0}
+    job_pods = core.list_namespaced_pod(namespace, label_selector="dynatrain.io/job=elastic").items
+    assert job_pods and all(p.spec.node_name in gpu_nodes for p in job_pods)
+    start_workers = st["workers"]
+    assert start_workers == len(gpu_nodes) == 4, st
+    table = kubectl("get", "dynatrainjobs", "-n", namespace).stdout
+    for column in ("PHASE", "LAYOUT", "WORKERS", "LAST SWITCH", "AGE"):
+        assert column in table
+    assert "Running" in table and st["layout"] in table
+
+    # A spot interruption taint on one node: the job switches off that node's worker before
+    # its pod is deleted (the operator deletes it only after the switch).
+    victim = next(p for p in job_pods if p.metadata.labels["dynatrain.io/device"] ==
+                  str(min(int(p.metadata.labels["dynatrain.io/device"]) for p in job_pods)))
+    node = victim.spec.node_name
+    taint(core, node, Taint(key=SPOT_INTERRUPTION_TAINT, value="true", effect="NoSchedule"))
+    try:
+        def preempted():
+            last = _get(custom, namespace, "elastic").get("status", {}).get("lastSwitch", {})
+            return last if last.get("reason") == "preemption" else None
+
+        last = _wait("a preemption switch", preempted, timeout=120)
+        assert last["pauseSeconds"] > 0
+        st = _get(custom, namespace, "elastic")["status"]
+        assert st["workers"] == start_workers - 1
+        _wait("the operator to delete the victim's pod", lambda: any(
+            p.metadata.name == victim.metadata.name and p.metadata.deletion_timestamp
+            for p in core.list_namespaced_pod(
+                namespace, label_selector="dynatrain.io/job=elastic").items) or not any(
+            p.metadata.name == victim.metadata.name for p in core.list_namespaced_pod(
+                namespace, label_selector="dynatrain.io/job=elastic").items))
+        # the victim's worker saw the switch through and left: it exits by itself (0), or
+        # was shutting down when its pod's deletion sent SIGTERM; it was never SIGKILLed
+        assert pods.procs[victim.metadata.name].proc.wait(30) in (0, -signal.SIGTERM)
+
+        # New GPU nodes: the job grows onto them.
+        devcluster.add_pool(NodePool(count=2, gpus_per_node=8, name_prefix="gpu-extra",
+                                     instance_type="p5.48xlarge"))
+
+        def grown():
+            st = _get(custom, namespace, "elastic").get("status", {})
+            last = st.get("lastSwitch", {})
+            return st if last.get("reason") == "scale-up" else None
+
+        st = _wait("a scale-up switch onto the new nodes", grown, timeout=150)
+        assert st["workers"] > start_workers - 1
+        reasons = [e.reason for e in _events(core, namespace, "elastic")]
+        assert reasons.count("Switched") >= 2 and "Preemption" in reasons
+        m = op.metrics()
+        done = {dict(k[1]).get("reason"): v for k, v in m.items()
+                if k[0] == "dynatrain_switches_total" and dict(k[1]).get("result") == "success"}
+        assert done.get("preemption", 0) >= 1 and done.get("scale-up", 0) >= 1, done
+    finally:
+        untaint(core, node, SPOT_INTERRUPTION_TAINT)
+        kubectl("delete", "dynatrainjob", "elastic", "-n", namespace, "--wait=false")
+
+
+def test_operator_restart_mid_switch(devcluster, kubectl, namespace, operator, tmp_path):
+    op, pods = operator
+    core = devcluster.core()
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(_job("restart", gpus=1, max_workers=4)))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    st = _wait("the job to run", lambda: (lambda s: s if s.get("phase") == "Running"
+                                           and s.get("layout") else None)(
+        _get(custom, namespace, "restart").get("status", {})), timeout=150)
+    generation = st["generation"]
+    target = "dp=1,tp=2,pp=2" if st["layout"] != "dp=1,tp=2,pp=2" else "dp=4,tp=1,pp=1"
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "restart", {
+        "spec": {"parallelism": {"mode": "fixed", "layout": target}}})
+    _wait("the switch to start", lambda: _get(custom, namespace, "restart")["status"].get(
+        "phase") == "Switching", timeout=60, interval=0.05)
+    op.kill()                                   # in the middle of the switch
+    time.sleep(1.0)
+    op.start()
+
+    def settled():
+        s = _get(custom, namespace, "restart").get("status", {})
+        return s if s.get("phase") == "Running" and s.get("layout") == target else None
+
+    st = _wait("the job to end on the requested layout", settled, timeout=150)
+    assert st["generation"] > generation
+    # no orphans: every pod of the job is a worker of the running layout
+    job_pods = core.list_namespaced_pod(namespace, label_selector="dynatrain.io/job=restart").items
+    live = [p for p in job_pods if p.metadata.deletion_timestamp is None]
+    assert len(live) == st["workers"] == 4
+    # every worker trains on, on the same generation and layout
+    from dynatrain.agent.client import AgentClient
+
+    secret = core.read_namespaced_secret("restart-agent-token", namespace)
+    token = base64.b64decode(secret.data["token"]).decode()
+    seen = set()
+    for p in live:
+        with AgentClient(f"{p.status.pod_ip}:50051", token=token) as c:
+            s1 = c.status()
+            _wait(f"{p.metadata.name} to keep training", lambda: c.status().step > s1.step,
+                  timeout=60)
+            s2 = c.status()
+        assert s2.generation == st["generation"] and s2.layout == target
+        seen.add(s2.rank)
+    assert seen == {0, 1, 2, 3}
+    kubectl("delete", "dynatrainjob", "restart", "-n", namespace, "--wait=false")
