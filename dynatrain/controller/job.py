@@ -41,6 +41,22 @@ class Training:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Bounds on the layouts the solver may pick in auto mode (None: no bound)."""
+
+    max_tp: int | None = None
+    max_pp: int | None = None
+    max_ep: int | None = None
+    zero_stages: tuple[int, ...] = (0, 1, 3)
+
+    def allow(self, layout: Layout) -> bool:
+        return ((self.max_tp is None or layout.tp <= self.max_tp)
+                and (self.max_pp is None or layout.pp <= self.max_pp)
+                and (self.max_ep is None or layout.ep <= self.max_ep)
+                and layout.zero in self.zero_stages)
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     namespace: str
@@ -61,6 +77,7 @@ class JobSpec:
     auth_secret: str | None = None
     preemption_policy: str = "Switch"
     image: str = ""
+    limits: Limits = Limits()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     def train_config(self, layout: Layout):
@@ -190,6 +207,16 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         r.problems.append("spec.parallelism.layout is required when spec.parallelism.mode "
                           "is fixed")
 
+    lim = r.obj(par, "limits", "spec.parallelism")
+    zero = lim.get("zeroStages", [0, 1, 3])
+    if not isinstance(zero, list) or not zero or any(z not in (0, 1, 3) for z in zero):
+        r.problems.append(f"spec.parallelism.limits.zeroStages={zero!r} must be a non-empty "
+                          "list of 0, 1, 3")
+        zero = [0, 1, 3]
+    limits = Limits(max_tp=r.int(lim, "maxTP", "spec.parallelism.limits", minimum=1),
+                    max_pp=r.int(lim, "maxPP", "spec.parallelism.limits", minimum=1),
+                    max_ep=r.int(lim, "maxEP", "spec.parallelism.limits", minimum=1),
+                    zero_stages=tuple(sorted(set(zero))))
     gbs = r.int(spec, "globalBatchSize", "spec", 8, minimum=1) or 8
     tr = r.obj(spec, "training", "spec")
     training = Training(
@@ -228,7 +255,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    min_workers=min_w, max_workers=max_w, workers=workers, mode=mode,
                    layout=layout, global_batch_size=gbs, training=training,
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
-                   preemption_policy=policy, image=image or "", raw=doc)
+                   preemption_policy=policy, image=image or "", raw=doc, limits=limits)
 
 
 def load_job(path: str | Path) -> JobSpec:

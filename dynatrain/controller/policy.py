@@ -58,6 +58,7 @@ class Policy:
         kw = dict(global_batch_size=job.global_batch_size,
                   micro_batch_size=job.training.micro_batch_size,
                   seq_len=_seq_len(job))
+        lim = dict(zero_stages=job.limits.zero_stages, allow=job.limits.allow)
         if current is None or doomed & set(current.device_of):
             reason = "start" if current is None else "preemption"
             if cap < job.min_workers:
@@ -78,11 +79,11 @@ class Policy:
             return None
         for n in range(cap, current.world, -1):      # new capacity: grow to the maximum
             try:
-                bigger = solve(job.model, n, profile, **kw)
+                bigger = solve(job.model, n, profile, **kw, **lim)
             except SolverError:
                 continue                              # no layout uses exactly n devices
             return self._place(job, current, usable, bigger, "scale-up")
-        best = solve(job.model, current.world, profile, **kw)
+        best = solve(job.model, current.world, profile, **kw, **lim)
         now = estimate(job.model, current, profile, **kw)
         if best.tokens_per_second < self.margin * now.tokens_per_second:
             return None
@@ -99,7 +100,8 @@ class Policy:
         errors = []
         for n in range(cap, max(1, job.min_workers) - 1, -1):
             try:
-                return solve(job.model, n, profile, **kw)
+                return solve(job.model, n, profile, **kw, zero_stages=job.limits.zero_stages,
+                             allow=job.limits.allow)
             except SolverError as e:
                 errors.append(f"{n} devices: {e}")
         raise SolverError("no layout fits between spec.elastic.minWorkers="

@@ -801,11 +801,13 @@ def _too_big(model, num_devices, ests: list[Estimate]) -> str:
 
 def solve(model: ModelSpec, num_devices: int, profile: DeviceProfile, *,
           global_batch_size: int, micro_batch_size: int = 1, seq_len: int,
-          fixed: Layout | None = None, zero_stages=(0, 1, 3)) -> Estimate:
+          fixed: Layout | None = None, zero_stages=(0, 1, 3),
+          allow=None) -> Estimate:
     """The fastest layout of exactly ``num_devices`` devices that fits in memory.
 
     With ``fixed``, only that layout is validated (against the model, the device count and
-    the batch) and estimated. Raises SolverError naming why when nothing fits.
+    the batch) and estimated. ``allow(layout)`` narrows the candidates (a job's
+    ``spec.parallelism.limits``). Raises SolverError naming why when nothing fits.
     """
     _check_batch(model, global_batch_size, micro_batch_size, seq_len)
     kw = dict(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
@@ -835,6 +837,13 @@ def solve(model: ModelSpec, num_devices: int, profile: DeviceProfile, *,
     if not layouts:
         raise SolverError(_no_candidates(model, num_devices, global_batch_size,
                                          micro_batch_size, zero_stages, max_tp))
+    if allow is not None:
+        allowed = [lay for lay in layouts if allow(lay)]
+        if not allowed:
+            raise SolverError(f"none of the {len(layouts)} layouts of {num_devices} devices "
+                              f"is within spec.parallelism.limits (e.g. "
+                              f"{layouts[0].to_text()!r} is not)")
+        layouts = allowed
     ests = [estimate(model, lay, profile, **kw) for lay in layouts]
     fitting = [e for e in ests if e.fits]
     if not fitting:

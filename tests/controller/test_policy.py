@@ -73,3 +73,13 @@ def test_too_few_workers_is_an_error_naming_min_workers(job):
     current = Policy().decide(strict, PROFILE, None, [0, 1, 2, 3], set(), 0).layout
     with pytest.raises(SolverError, match="minWorkers"):
         Policy().decide(strict, PROFILE, current, [0, 1], {2, 3}, 5)
+
+
+def test_parallelism_limits_bound_the_solver(job):
+    from dynatrain.controller.job import Limits
+
+    free = Policy().decide(job, PROFILE, None, [0, 1, 2, 3], set(), 0).layout
+    bounded = replace(job, limits=Limits(max_pp=1, max_tp=1, zero_stages=(0,)))
+    d = Policy().decide(bounded, PROFILE, None, [0, 1, 2, 3], set(), 0)
+    assert d.layout.pp == 1 and d.layout.tp == 1 and d.layout.zero == 0
+    assert free.world == d.layout.world == 4
