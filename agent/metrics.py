@@ -55,6 +55,9 @@ PHASES = ("prepare", "pause", "transfer")
 """The phases a switch's duration is reported in."""
 RESULTS = ("success", "aborted", "failed")
 """The outcomes of a switch."""
+REASONS = ("preemption", "scale-up", "better-layout", "requested")
+"""Why the controller's policy switches (``reason``); their series exist from the start, so
+that rate() sees a job's first switch of each kind."""
 
 # Switches range from a few milliseconds (a tiny model on one host) to tens of seconds (a
 # 235B model re-sharded across nodes); roughly 1-2.5-5 per decade keeps quantile error small.

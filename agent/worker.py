@@ -45,7 +45,7 @@ from dynatrain.vps.generations import DeviceManager, PreparedSwitch
 from dynatrain.vps.layout import Layout, bind
 from dynatrain.vps.transition import TransitionConfig, TransitionError
 
-from .metrics import Metrics
+from .metrics import REASONS, Metrics
 from .server import CommitTimeout, InvalidRequest, PreconditionFailed, SwitchAborted, serve
 from .v1 import agent_pb2 as pb
 
@@ -77,7 +77,7 @@ class Worker:
                  metrics: Metrics | None = None, torch_device: torch.device | None = None):
         self.job, self.device, self.backend = job, device, backend
         self.torch_device = torch_device or torch.device("cpu")
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(reasons=REASONS)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.state = State.STANDBY
@@ -413,7 +413,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     job = load_job(args.job)
-    metrics = Metrics()
+    metrics = Metrics(reasons=REASONS)
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
     worker = Worker(job, args.device, metrics=metrics)
     server = serve(worker, host=args.host, port=args.agent_port, token_file=args.token_file,

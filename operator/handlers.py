@@ -21,6 +21,7 @@ from kubernetes.client.rest import ApiException
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller.core import JobFailed
 from dynatrain.controller.job import JobError
+from dynatrain.controller.policy import REASONS
 
 from . import cluster as k
 from .runtime import GROUP, PLURAL, VERSION, JobRuntime
@@ -44,7 +45,7 @@ def _api() -> client.ApiClient:
 def _metrics() -> Metrics:
     with _lock:
         if _state["metrics"] is None:
-            m = Metrics()
+            m = Metrics(reasons=REASONS)
             m.serve(port=int(os.environ.get("DYNATRAIN_METRICS_PORT", "9090")),
                     addr=os.environ.get("DYNATRAIN_METRICS_ADDR", "0.0.0.0"))
             _state["metrics"] = m

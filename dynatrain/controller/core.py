@@ -20,7 +20,7 @@ from dynatrain.vps.layout import Layout
 
 from .job import JobSpec
 from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
-from .policy import Policy
+from .policy import REASONS, Policy
 from .solver import DeviceProfile, SolverError
 
 State = pb.StatusResponse.State
@@ -47,7 +47,7 @@ class JobController:
                  metrics: Metrics | None = None, policy: Policy | None = None,
                  timeouts: Timeouts = Timeouts(), devices_per_node: int = 8, log=print):
         self.job, self.rendezvous, self.profile = job, rendezvous, profile
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(reasons=REASONS)
         self.policy = policy or Policy()
         self.timeouts, self.devices_per_node, self.log = timeouts, devices_per_node, log
         self.clients: dict[int, AgentClient] = {}

@@ -31,7 +31,7 @@ from dynatrain.agent.metrics import Metrics
 from .core import JobController, JobFailed
 from .job import JobSpec
 from .orchestrator import Timeouts
-from .policy import Policy
+from .policy import REASONS, Policy
 from .scenario import Event, Scenario
 from .solver import DeviceProfile
 
@@ -83,7 +83,7 @@ class LocalRunner:
         self.token_file.chmod(0o600)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeouts.group_s))
-        self.metrics = Metrics()
+        self.metrics = Metrics(reasons=REASONS)
         _, self.metrics_port = self.metrics.serve(port=metrics_port)
         self.prometheus_sd = prometheus_sd
         self.controller = JobController(job, rendezvous=f"127.0.0.1:{self.store.port}",

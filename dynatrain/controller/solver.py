@@ -279,8 +279,11 @@ def _machine_memory() -> int:
 
 
 # Presets. Matmul rates are ~2/3 of the datasheet's dense bf16 peak, what large GEMMs sustain
-# (and an upper bound for a whole model); collective bandwidths are NCCL bus bandwidths that
-# nccl-tests typically report on such systems, below the link's nominal one-way rate.
+# (and an upper bound for a whole model); attention rates are what FlashAttention-2 reports
+# for forward + backward (Dao 2023: ~50-70% of peak on A100, ~350 TFLOPS on H100);
+# collective bandwidths are NCCL bus bandwidths that nccl-tests typically report on such
+# systems, below the link's nominal one-way rate; 2 GiB reserved covers the CUDA context,
+# NCCL buffers and allocator fragmentation.
 PROFILES: dict[str, DeviceProfile] = {
     # H100 SXM5 80 GB (NVIDIA datasheet: 989 TFLOPS dense bf16, 3.35 TB/s HBM3, NVLink 4 at
     # 450 GB/s per direction; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU = 50 GB/s).
@@ -288,25 +291,27 @@ PROFILES: dict[str, DeviceProfile] = {
         name="h100", flops_per_second=650e12, memory_bytes=80 * 10**9,
         intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
         devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=3.0e12,
-        reserved_bytes=2 * GiB),
+        attention_flops_per_second=350e12, reserved_bytes=2 * GiB),
     # A100 SXM4 80 GB (312 TFLOPS dense bf16, 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per
     # direction; DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s).
     "a100": DeviceProfile(
         name="a100", flops_per_second=205e12, memory_bytes=80 * 10**9,
         intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.8e12,
-        reserved_bytes=2 * GiB),
+        attention_flops_per_second=170e12, reserved_bytes=2 * GiB),
     # Worker processes on this machine (the local runner): a static guess per core of a
     # recent x86 server core with AVX-512, from the project's 2-core CI VM (~100 GFLOPS fp32
-    # for 512^3 matmuls, ~13 GB/s through torch's AdamW, ~5 GB/s for a norm/add/GELU mix,
-    # gloo over loopback TCP ~1 GB/s and ~0.3 ms per small collective with 2 ranks).
-    # Prefer measure_cpu_profile(), which measures all but the link.
+    # for 512^3 matmuls, ~30 GFLOPS for attention at head dim 32, ~13 GB/s through torch's
+    # AdamW, ~8 GB/s for a norm/add/GELU mix, ~5 us per operator, gloo over loopback TCP
+    # ~1 GB/s and ~0.3 ms per collective while no more ranks than cores). 300 MiB reserved
+    # per rank: a torch process's resident baseline. Prefer measure_cpu_profile(), and pass it
+    # measure_gloo_link(n) when ranks outnumber cores: then a collective costs milliseconds.
     "cpu": DeviceProfile(
         name="cpu", flops_per_second=100e9, memory_bytes=_machine_memory(),
         intra_node_bytes_per_second=1e9, inter_node_bytes_per_second=1e9,
         devices_per_node=1 << 16, latency_seconds=300e-6, memory_bytes_per_second=13e9,
-        elementwise_bytes_per_second=5e9, reserved_bytes=300 << 20,
-        shared_cores=_cpu_cores()),
+        elementwise_bytes_per_second=8e9, attention_flops_per_second=30e9, op_seconds=5e-6,
+        reserved_bytes=300 << 20, shared_cores=_cpu_cores()),
 }
 
 
