@@ -6,6 +6,7 @@ the model's absolute numbers, which benchmarks/solver_vs_measured.py checks agai
 trainer.
 """
 
+import contextlib
 import time
 from dataclasses import replace
 
@@ -87,7 +88,8 @@ def test_state_bytes_are_the_mappings_for_the_busiest_rank(model, text):
 def test_solve_picks_the_best_fitting_candidate():
     best = solve(GPT, 4, CPU4, **TINY)
     assert best.fits
-    others = [estimate(GPT, c, CPU4, **TINY) for c in candidate_layouts(GPT, 4, global_batch_size=8)]
+    others = [estimate(GPT, c, CPU4, **TINY)
+              for c in candidate_layouts(GPT, 4, global_batch_size=8)]
     assert best.tokens_per_second >= max(e.tokens_per_second for e in others if e.fits)
     assert best.layout in [e.layout for e in others]
 
@@ -252,10 +254,8 @@ def test_best_for_devices_may_leave_devices_idle():
     best = best_for_devices(L7, 12, H100, min_devices=4, **kw)
     assert 4 <= best.layout.world <= 12
     for n in range(4, 13):
-        try:
+        with contextlib.suppress(SolverError):
             assert solve(L7, n, H100, **kw).tokens_per_second <= best.tokens_per_second
-        except SolverError:
-            pass
     with pytest.raises(SolverError, match="no device count in 1..2"):
         best_for_devices(L7, 2, H100, **kw)
 
@@ -280,7 +280,7 @@ def test_latency_by_group_size():
     assert p.latency(1) == 1e-3 and p.latency(2) == 2e-3 and p.latency(3) == 2e-3
     assert p.latency(4) == 5e-3 and p.latency(8) == 5e-3
     assert replace(p, group_latency_seconds=()).latency(4) == 1e-3
-    # a slower 4-rank group makes tp=4 slower, and leaves dp=4 (one all-reduce) nearly alone
-    tp4, dp4 = parse_layout("tp=4"), parse_layout("dp=4")
+    # a slower 4-rank group makes tp=4's many collectives slower
+    tp4 = parse_layout("tp=4")
     assert estimate(GPT, tp4, p, **TINY).breakdown["tp_comm"] > \
         2 * estimate(GPT, tp4, replace(p, group_latency_seconds=()), **TINY).breakdown["tp_comm"]

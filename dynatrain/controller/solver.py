@@ -84,12 +84,14 @@ operator.
 pipeline (GPipe) and ``bubble``
     with ``c_s`` = compute and ``k_s`` = tp + ep + pp communication of stage s per
     micro-batch, the schedule runs ``m + pp - 1`` slots; slot i keeps the stages
-    ``max(0, i - m + 1) .. min(i, pp - 1)`` busy and lasts ``max over busy s of (c_s * share
-    + k_s)``. On dedicated devices ``share = 1`` and this is the textbook
-    ``(m + pp - 1) * t`` for equal stages (``(m - 1) * max t_s + sum t_s`` in general).
-    ``bubble`` is what the pipeline takes beyond ``m`` slots of its slowest stage.
-    ``share`` accounts for ranks that share CPU cores (see below): ``max(1, busy ranks /
-    ranks that can compute at once)``; idle stages in the bubble leave cores to busy ones.
+    ``max(0, i - m + 1) .. min(i, pp - 1)`` busy and lasts ``max over busy s of (c_s +
+    k_s)``: on dedicated devices the textbook ``(m + pp - 1) * t`` for equal stages, and
+    ``(m - 1) * max t_s + sum t_s`` in general. On shared cores (below) a slot also lasts at
+    least ``max k_s + dp * tp * sum of busy c_s / (ranks that can compute at once)``: the
+    busy ranks' work has to fit through the cores, and a light stage that is done leaves its
+    core to a heavy one (processor sharing); with a single stage this is ``share * c + k``,
+    ``share = max(1, ranks / ranks that can compute at once)``. ``compute`` and the
+    communication terms are m steady-state slots; ``bubble`` is what fill and drain add.
 ``dp_comm``
     after the backward pass (the trainer does not overlap it): a bucketed all-reduce of the
     stage's dense gradients over dp and of its expert gradients over expert-dp
@@ -120,22 +122,25 @@ world of W processes runs ``t = max(1, C // W)`` threads (what
 rate when it has the cores to itself and at most ``C / t`` ranks compute at full speed at
 once: with 4 ranks on 2 cores each gets half a core while all are busy, but the one busy
 stage at the start of a pipeline gets a whole core. ``memory_bytes`` is then the machine's
-memory, shared equally by the W ranks.
+memory, shared equally by the W ranks. Collectives among such ranks are slow for a reason
+that has nothing to do with bytes: when ranks outnumber cores, each step of a ring waits
+until the scheduler runs the peer. :func:`measure_gloo_link` measures that per group size
+(``group_latency_seconds``); ``benchmarks/solver_vs_measured.py`` found ~1-3 ms for pairs
+and ~6 ms for groups of 4 on 4 ranks sharing 2 cores, against 0.3 ms with a core each.
 
 Not modelled (see also the benchmark ``benchmarks/solver_vs_measured.py``): overlap of
 communication with compute (the trainer has none, but a faster trainer would), matmul
 efficiency falling with small TP shards or short sequences (``F`` is one figure per
-device), latency that depends on the group size or on how many ranks share the cores
-(``latency_seconds`` is one calibrated figure), stragglers and load from other processes,
-1F1B or interleaved schedules, activation recomputation, memory fragmentation beyond
-``reserved_bytes``.
+device), latency growing with the group size on GPUs (one ``latency_seconds``) and the
+oversubscription latency of a world size other than the one measured, stragglers and load
+from other processes, 1F1B or interleaved schedules, activation recomputation, memory
+fragmentation beyond ``reserved_bytes``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -513,11 +518,11 @@ def _stages(model: ModelSpec, layout: Layout) -> tuple[_Stage, ...]:
                 matmul += count * 2 * model.experts_top_k * local / (model.num_experts // ep)
             else:
                 dense += count * local
-                if len(t.shape) >= 2 and t.name != "embed.positions":
-                    # the token embedding is a lookup on the first stage and the (tied) head
-                    # matmul on the last
-                    if t.name != "embed.tokens" or last:
-                        matmul += count * 2 * local
+                # a weight matrix is a matmul; the token embedding is a lookup on the first
+                # stage and the (tied) head matmul on the last; position embeddings are added
+                if len(t.shape) >= 2 and t.name != "embed.positions" \
+                        and (t.name != "embed.tokens" or last):
+                    matmul += count * 2 * local
             if lay.zero:
                 a, b = flat_shard_range(rule, local, dp, ep, 0)
                 masters += count * (b - a)
@@ -667,24 +672,37 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     comm = [tp_c[s] + ep_c[s] + pp_c[s] for s in range(pp)]
 
     def slot(lo: int, hi: int) -> float:
-        share = max(1.0, (hi - lo + 1) * dp * tp / concurrent)
-        return max(compute[s] * share + comm[s] for s in range(lo, hi + 1))
+        """One pipeline slot with stages lo..hi busy: no stage is faster than on its own, and
+        on shared cores the busy ranks' work also has to fit through the cores (processor
+        sharing: a light stage that is done leaves its core to the heavy one)."""
+        busy = range(lo, hi + 1)
+        own = max(compute[s] + comm[s] for s in busy)
+        if concurrent == math.inf:
+            return own
+        through_cores = max(comm[s] for s in busy) \
+            + dp * tp * sum(compute[s] for s in busy) / concurrent
+        return max(own, through_cores)
 
     if m >= pp:   # fill, steady state (every stage busy), drain
-        pipeline = (m - pp + 1) * slot(0, pp - 1)
+        steady = slot(0, pp - 1)
+        pipeline = (m - pp + 1) * steady
         pipeline += sum(slot(0, i) for i in range(pp - 1))
         pipeline += sum(slot(i - m + 1, pp - 1) for i in range(m, m + pp - 1))
     else:
+        steady = slot(0, pp - 1) if m == pp else max(
+            slot(max(0, i - m + 1), min(i, pp - 1)) for i in range(m + pp - 1))
         pipeline = sum(slot(max(0, i - m + 1), min(i, pp - 1)) for i in range(m + pp - 1))
-    full_share = max(1.0, world / concurrent)
-    crit = max(range(pp), key=lambda s: compute[s] * full_share + comm[s])
-    parts = {"compute": m * compute[crit] * full_share, "tp_comm": m * tp_c[crit],
-             "ep_comm": m * ep_c[crit], "pp_comm": m * pp_c[crit]}
-    bubble = pipeline - sum(parts.values())
-    if bubble < 0:   # m < pp with shared cores: fewer slots than m at full occupancy
-        scale = pipeline / sum(parts.values())
+    # Breakdown: m steady slots, split into the communication of the stage that talks most
+    # and compute (the rest); the bubble is what the pipeline takes beyond them.
+    talk = max(range(pp), key=lambda s: comm[s])
+    parts = {"compute": m * (steady - comm[talk]), "tp_comm": m * tp_c[talk],
+             "ep_comm": m * ep_c[talk], "pp_comm": m * pp_c[talk]}
+    bubble = pipeline - m * steady
+    if bubble < 0:   # shared cores: fill and drain slots run faster than steady ones
+        scale = pipeline / (m * steady)
         parts = {k: v * scale for k, v in parts.items()}
         bubble = 0.0
+    full_share = max(1.0, world / concurrent)
 
     # After the backward pass: gradient reduction, ZeRO rebuilds, optimizer. Stages do this
     # in parallel; the slowest counts. Every rank copies and updates at the same time, so on
