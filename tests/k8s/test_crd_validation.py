@@ -136,9 +136,9 @@ INVALID = [
     Case("limits-with-fixed", setting("spec.parallelism.mode", "fixed"),
          "spec.parallelism.limits", False),
     Case("limits-maxtp-zero", setting("spec.parallelism.limits.maxTP", 0),
-         "spec.parallelism.limits.maxTP", False),
+         "spec.parallelism.limits.maxTP", True),
     Case("limits-zero-stage-2", setting("spec.parallelism.limits.zeroStages", [1, 2]),
-         "spec.parallelism.limits.zeroStages[1]", False),
+         "spec.parallelism.limits.zeroStages[1]", True),
     Case("batch-zero", setting("spec.globalBatchSize", 0), "spec.globalBatchSize", True),
     Case("batch-not-multiple", setting("spec.globalBatchSize", 63), "spec.globalBatchSize",
          False),
@@ -397,7 +397,8 @@ def test_parser_rejects_what_it_checks(case):
 @pytest.mark.parametrize("case", [c for c in INVALID if not c.parser_rejects],
                          ids=lambda c: c.id)
 def test_parser_ignores_cluster_only_fields(case):
-    # These fields matter only on a cluster (quantities, Secret and claim names, checkpoint,
-    # limits): the apiserver is the one to refuse them. Documented here so that a parser change
+    # These fields matter only on a cluster (quantities, Secret and claim names, checkpoint):
+    # the apiserver is the one to refuse them (the parser checks the limits: the solver uses
+    # them). Documented here so that a parser change
     # that starts checking one of them flips the flag above rather than going unnoticed.
     job_from_manifest(case.manifest(), source=case.id)
