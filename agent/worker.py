@@ -43,7 +43,7 @@ from dynatrain.trainer.switch import switch
 from dynatrain.trainer.trainer import Trainer, warm_up
 from dynatrain.vps.generations import DeviceManager, PreparedSwitch
 from dynatrain.vps.layout import Layout, bind
-from dynatrain.vps.transition import TransitionConfig, TransitionError
+from dynatrain.vps.transition import TransitionConfig
 
 from .metrics import REASONS, Metrics
 from .server import CommitTimeout, InvalidRequest, PreconditionFailed, SwitchAborted, serve
@@ -146,13 +146,8 @@ class Worker:
         def build_extra(rank):
             return build_groups(new_bound, rank, mgr.group_factory(generation, layout))
 
-        if old is None:               # the first generation: groups only, fresh state
-            rank = layout.device_of.index(self.device)
-            future = _run_in_thread(lambda: PreparedSwitch(
-                generation, None, [], None, {}, rank, build_extra(rank)), generation)
-        else:
-            future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
-                                 build_extra=build_extra, gpus_per_node=devices_per_node)
+        future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
+                             build_extra=build_extra, gpus_per_node=devices_per_node)
         with self.lock:
             self.pending = _Pending(generation, layout, reason, future, timeout_s, staging_bytes)
 
@@ -372,22 +367,6 @@ def _describe(layout: Layout | None) -> str:
     if layout is None:
         return "nothing (a fresh start)"
     return f"{layout.to_text()} on devices {list(layout.device_of)}"
-
-
-def _run_in_thread(fn, generation: int) -> Future:
-    future: Future = Future()
-
-    def work():
-        t0 = time.perf_counter()
-        try:
-            result = fn()
-            result.seconds = time.perf_counter() - t0
-            future.set_result(result)
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=work, name=f"dynatrain-prepare-gen{generation}", daemon=True).start()
-    return future
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,6 @@ job, so a device id names one process for the job's whole life.
 from __future__ import annotations
 
 import datetime
-import time
 from dataclasses import dataclass
 
 import yaml
@@ -208,6 +207,3 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int) -> dict:
         },
     }
 
-
-def monotonic_deadline(seconds: float) -> float:
-    return time.monotonic() + seconds

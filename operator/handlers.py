@@ -18,10 +18,9 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from dynatrain.agent.metrics import Metrics
+from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.controller.core import JobFailed
 from dynatrain.controller.job import JobError
-from dynatrain.controller.policy import REASONS
 
 from . import cluster as k
 from .runtime import GROUP, PLURAL, VERSION, JobRuntime

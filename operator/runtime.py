@@ -32,7 +32,7 @@ import torch.distributed as dist
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from dynatrain.agent.client import AgentCallError, AgentClient
+from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller.core import JobController, JobFailed
 from dynatrain.controller.job import JobError, job_from_manifest
@@ -285,5 +285,3 @@ class JobRuntime:
 def _now():
     return datetime.datetime.now(datetime.timezone.utc)
 
-
-__all__ = ["JobRuntime", "AgentCallError"]

@@ -36,7 +36,8 @@ class GenerationError(RuntimeError):
 @dataclass
 class PreparedSwitch:
     generation: int
-    plan: Plan
+    plan: Plan | None
+    """None for a job's first generation (nothing to move)."""
     rounds: list[list[Message]]
     transition_group: object | None
     group_rank: dict[int, int]
@@ -77,24 +78,30 @@ class DeviceManager:
             return self.build_group(generation, f"{kind}/{'-'.join(map(str, ranks))}", devices)
         return make_group
 
-    def prepare(self, generation: int, model: ModelSpec, old: Layout, new: Layout, *,
+    def prepare(self, generation: int, model: ModelSpec, old: Layout | None, new: Layout, *,
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
                 gpus_per_node: int = 8) -> "Future[PreparedSwitch]":
         """Start the background work of switching ``old`` -> ``new``; returns a future.
 
         ``build_extra(new_rank)`` runs on devices of the new layout, in the same thread, after
-        the transition group exists (e.g. to build the trainer's groups).
+        the transition group exists (e.g. to build the trainer's groups). ``old=None`` is a
+        job's first generation: nothing moves, so there is no plan and no transition group.
         """
         future: Future = Future()
 
         def work():
             t0 = time.perf_counter()
             try:
-                plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8)
-                rounds = schedule_rounds(plan, staging_bytes)
-                members = sorted(set(old.device_of) | set(new.device_of))
-                group = self.build_group(generation, "transition", members)
-                new_rank = plan.new.rank_of_device.get(self.device)
+                if old is None:
+                    plan, rounds, members, group = None, [], [], None
+                    new_rank = (new.device_of.index(self.device)
+                                if self.device in new.device_of else None)
+                else:
+                    plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8)
+                    rounds = schedule_rounds(plan, staging_bytes)
+                    members = sorted(set(old.device_of) | set(new.device_of))
+                    group = self.build_group(generation, "transition", members)
+                    new_rank = plan.new.rank_of_device.get(self.device)
                 extra = build_extra(new_rank) if (build_extra and new_rank is not None) else None
                 future.set_result(PreparedSwitch(
                     generation, plan, rounds, group, {d: i for i, d in enumerate(members)},

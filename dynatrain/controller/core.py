@@ -11,16 +11,16 @@ generation. The controller never touches training state itself; it only talks to
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dynatrain.agent.client import AgentCallError, AgentClient
-from dynatrain.agent.metrics import Metrics
+from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 
 from .job import JobSpec
 from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
-from .policy import REASONS, Policy
+from .policy import Policy
 from .solver import DeviceProfile, SolverError
 
 State = pb.StatusResponse.State
@@ -81,8 +81,6 @@ class JobController:
 
     def request_layout(self, layout: Layout) -> None:
         """A user asked for this layout (``parallelism.mode: fixed``)."""
-        from dataclasses import replace
-
         self.job = replace(self.job, mode="fixed", layout=layout)
 
     @property

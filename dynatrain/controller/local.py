@@ -26,12 +26,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dynatrain.agent.client import AgentClient
-from dynatrain.agent.metrics import Metrics
+from dynatrain.agent.metrics import REASONS, Metrics
 
 from .core import JobController, JobFailed
 from .job import JobSpec
 from .orchestrator import Timeouts
-from .policy import REASONS, Policy
+from .policy import Policy
 from .scenario import Event, Scenario
 from .solver import DeviceProfile
 

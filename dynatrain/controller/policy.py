@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from dynatrain.agent.metrics import REASONS  # noqa: F401  (the reasons this policy gives)
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.placement import place_devices
 

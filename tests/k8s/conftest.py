@@ -61,6 +61,21 @@ def devcluster(tmp_path_factory):
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def kubectl(devcluster):
+    """Run the dev cluster's kubectl with its admin kubeconfig; returns CompletedProcess."""
+    import subprocess
+
+    from dynatrain.devcluster.build import ensure_built
+
+    binary = ensure_built().path("kubectl")
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([str(binary), "--kubeconfig", str(devcluster.kubeconfig), *args],
+                              capture_output=True, text=True, timeout=60, check=check)
+    return run
+
+
 @pytest.fixture
 def core(devcluster):
     return devcluster.core()

@@ -16,7 +16,6 @@ import copy
 import datetime
 import json
 import re
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from dynatrain.controller.job import JobError, job_from_manifest
-from dynatrain.devcluster.build import ensure_built
 from dynatrain.devcluster.processes import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,17 +188,6 @@ def valid_manifests() -> dict[str, dict]:
 
 
 # -- the apiserver side --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def kubectl(devcluster):
-    """Run the dev cluster's kubectl with its admin kubeconfig; returns CompletedProcess."""
-    binary = ensure_built().path("kubectl")
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([str(binary), "--kubeconfig", str(devcluster.kubeconfig), *args],
-                              capture_output=True, text=True, timeout=60, check=check)
-    return run
-
 
 @pytest.fixture(scope="module")
 def crd(devcluster, kubectl):

@@ -25,7 +25,6 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynatrain.devcluster import NodePool
-from dynatrain.devcluster.build import ensure_built
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
 from pod_processes import PodProcesses
@@ -50,16 +49,6 @@ def _wait(what: str, fn, timeout: float = 90.0, interval: float = 0.3):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
-
-
-@pytest.fixture(scope="module")
-def kubectl(devcluster):
-    binary = ensure_built().path("kubectl")
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([str(binary), "--kubeconfig", str(devcluster.kubeconfig), *args],
-                              capture_output=True, text=True, timeout=60, check=check)
-    return run
 
 
 class Operator:
