@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dynatrain.vps.layout import Layout, all_orders, layout_problems
 from dynatrain.vps.model import ModelSpec
+from dynatrain.vps.presets import PRESETS
 
 
 @st.composite
@@ -66,3 +67,24 @@ def transitions(draw, max_world: int = 8):
     pool = list(range(old.world + new.world))
     devices = draw(st.permutations(pool))[: new.world]
     return model, old, new.with_devices(devices)
+
+
+@st.composite
+def recoveries(draw, presets: tuple[str, ...] = ("gpt-tiny", "moe-tiny"), max_world: int = 8):
+    """(model, old layout, new layout, dead devices, proxies) for a switch after failures.
+
+    One or two old devices die; the new layout runs on survivors and joiners. Every dead device
+    has a proxy among the live devices of either layout (two dead devices may share one), as a
+    buddy holding a host-memory mirror of its state would.
+    """
+    model = PRESETS[draw(st.sampled_from(presets))]
+    old = draw(layouts(model, max_world))
+    new = draw(layouts(model, max_world))
+    old = old.with_devices(range(old.world))
+    dead = sorted(draw(st.lists(st.sampled_from(range(old.world)), min_size=1,
+                                max_size=min(2, old.world), unique=True)))
+    pool = [d for d in range(old.world + new.world) if d not in dead]
+    devices = draw(st.permutations(pool))[: new.world]
+    live = sorted((set(old.device_of) | set(devices)) - set(dead))
+    proxies = {d: draw(st.sampled_from(live)) for d in dead}
+    return model, old, new.with_devices(devices), frozenset(dead), proxies

@@ -11,7 +11,7 @@ from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.stats import device_traffic, plan_stats
 from dynatrain.vps.verify import verify_plan
 
-from strategies import layouts, models, transitions
+from strategies import layouts, models, recoveries, transitions
 
 
 @given(transitions())
@@ -116,3 +116,68 @@ def test_placement_keeps_pipeline_stages_on_their_devices():
     kept = plan_stats(plan_switch(m, old, new)).bytes_network
     naive = plan_stats(plan_switch(m, old, parse_layout("dp=2,pp=2").with_devices([2, 3, 4, 5])))
     assert kept < naive.bytes_network
+
+
+@settings(max_examples=20)
+@given(recoveries(), st.data())
+def test_a_proxy_serves_its_dead_devices_state(case, data):
+    """With a mirror of every dead device on a live proxy, no state is lost; the proxy (never
+    the dead device) sends it, and a device's own part of the plan is still exact."""
+    model, old, new, dead, proxies = case
+    plan = plan_switch(model, old, new, gpus_per_node=2, dead=dead, proxies=proxies)
+    verify_plan(plan, dead, proxies)
+    for m in plan.copies + plan.transfers:
+        assert m.src not in dead, m
+        if m.owner in dead:
+            assert m.src == proxies[m.owner], m
+        else:
+            assert m.owner == m.src, m
+    live = sorted((set(old.device_of) | set(new.device_of)) - dead)
+    for d in {*proxies.values(), data.draw(st.sampled_from(live))}:
+        part = plan_for_device(model, old, new, d, gpus_per_node=2, dead=dead, proxies=proxies)
+        assert sorted(part.copies + part.transfers) == sorted(plan.for_device(d)), d
+
+
+def test_a_proxy_uses_its_own_copy_of_replicated_state():
+    m = PRESETS["gpt-tiny"]
+    old, new = parse_layout("dp=2"), parse_layout("dp=2").with_devices([0, 2])
+    plain = plan_switch(m, old, new, dead=[1])
+    proxied = plan_switch(m, old, new, dead=[1], proxies={1: 0})
+    assert proxied.copies == plain.copies and proxied.transfers == plain.transfers
+    assert {(t.src, t.owner) for t in proxied.copies + proxied.transfers} == {(0, 0)}
+
+
+@pytest.mark.parametrize("old,new,devices,proxy", [
+    ("tp=2", "dp=1", [0], 0),              # the proxy is the receiver: local copies only
+    ("pp=2", "dp=2", [0, 2], 2),           # a joiner holds the mirror: copies and sends
+    ("dp=1,tp=2,zero=1", "tp=2,pp=2", [0, 3, 4, 2], 3),  # ZeRO flat ranges to TP x PP
+])
+def test_unique_state_is_lost_without_a_proxy_and_recovered_with_one(old, new, devices, proxy):
+    m = PRESETS["gpt-tiny"]
+    old, new = parse_layout(old), parse_layout(new).with_devices(devices)
+    with pytest.raises(PlanError, match=r"no surviving copy of \S+ \(\w+\) .* holders \[1\] "
+                                        "are dead and none has a proxy"):
+        plan_switch(m, old, new, dead=[1])
+    plan = plan_switch(m, old, new, dead=[1], proxies={1: proxy})
+    verify_plan(plan, frozenset({1}), {1: proxy})
+    mirrored = [x for x in plan.copies + plan.transfers if x.owner == 1]
+    assert mirrored and {x.src for x in mirrored} == {proxy}
+    assert any(x.dst == proxy for x in mirrored)          # copied locally from the mirror
+    if len(devices) > 1:
+        assert any(x.dst != proxy for x in mirrored)      # and sent from it
+    else:
+        assert not plan.transfers
+    with pytest.raises(PlanError, match="reads dead device 1's state, but the proxy of 1 is"):
+        verify_plan(plan, frozenset({1}))                 # a plan for other failures
+
+
+@pytest.mark.parametrize("dead,proxies,message", [
+    ([1], {0: 2}, r"proxies\[0\] = 2, but device 0 is not marked dead"),
+    ([1, 2], {1: 2}, r"proxies\[1\] = 2, but device 2 is dead too"),
+    ([1], {1: 99}, r"proxies\[1\] = 99, but device 99 is in neither layout"),
+])
+def test_bad_proxies_are_named(dead, proxies, message):
+    m = PRESETS["gpt-tiny"]
+    with pytest.raises(PlanError, match=message):
+        plan_switch(m, parse_layout("dp=4"), parse_layout("dp=2").with_devices([0, 3]),
+                    dead=dead, proxies=proxies)

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from . import faults
 from .layout import Layout
 from .model import ModelSpec
 from .planner import Plan, plan_switch
@@ -80,26 +81,31 @@ class DeviceManager:
 
     def prepare(self, generation: int, model: ModelSpec, old: Layout | None, new: Layout, *,
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
-                gpus_per_node: int = 8) -> "Future[PreparedSwitch]":
+                gpus_per_node: int = 8, dead: frozenset[int] = frozenset(),
+                proxies: dict[int, int] | None = None) -> "Future[PreparedSwitch]":
         """Start the background work of switching ``old`` -> ``new``; returns a future.
 
         ``build_extra(new_rank)`` runs on devices of the new layout, in the same thread, after
         the transition group exists (e.g. to build the trainer's groups). ``old=None`` is a
         job's first generation: nothing moves, so there is no plan and no transition group.
+        ``dead`` old devices (a recovery) are neither sources nor members of the transition
+        group; ``proxies`` name the live devices that hold their mirrored state.
         """
         future: Future = Future()
 
         def work():
             t0 = time.perf_counter()
             try:
+                faults.inject("prepare", self.device)
                 if old is None:
                     plan, rounds, members, group = None, [], [], None
                     new_rank = (new.device_of.index(self.device)
                                 if self.device in new.device_of else None)
                 else:
-                    plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8)
+                    plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8,
+                                       dead=dead, proxies=proxies or {})
                     rounds = schedule_rounds(plan, staging_bytes)
-                    members = sorted(set(old.device_of) | set(new.device_of))
+                    members = sorted((set(old.device_of) | set(new.device_of)) - set(dead))
                     group = self.build_group(generation, "transition", members)
                     new_rank = plan.new.rank_of_device.get(self.device)
                 extra = build_extra(new_rank) if (build_extra and new_rank is not None) else None

@@ -19,6 +19,12 @@ holder anywhere if none shares the node (ties rotate by class so that remainders
 class's decisions depend only on its own regions, which is what lets one rank plan just its own
 part (:func:`plan_for_device`) and get exactly the records the full plan has for it.
 
+How failures are survived: a **dead** device's state is gone unless a live device (its
+**proxy**, e.g. the buddy that keeps a mirror of it in host memory) holds a copy of its old
+local tensors. A proxy stands in for the dead device in every holder set: it sends that data
+itself, or copies it locally when it is a receiver. Each move records the **owner** whose old
+local tensor the region is read from, since a proxy reads from its own tensors or a mirror.
+
 Pure metadata: no torch import.
 """
 
@@ -26,8 +32,9 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 from .boxes import Box, box_numel, intersect
 from .layout import BoundLayout, Layout, LayoutError, bind
@@ -53,7 +60,9 @@ class Move(NamedTuple):
     """One region of one state of every tensor in a group, from one device to another.
 
     ``src == dst`` is a local copy. ``src_piece``/``dst_piece`` say where ``box`` sits in the
-    sender's old and the receiver's new local tensor (see :class:`~.mapping.Piece`).
+    old local tensor of ``owner`` and the receiver's new local tensor (see
+    :class:`~.mapping.Piece`). ``src`` is the process that reads and sends the data: the owner
+    itself, or the owner's proxy when the owner is dead and ``src`` holds a mirror of it.
     """
 
     group: int
@@ -65,6 +74,14 @@ class Move(NamedTuple):
     dst_piece: Piece
     nbytes: int
     """Bytes per tensor of the group (multiply by ``len(group.names)`` for the total)."""
+    owner: int = -1
+    """The old device whose local tensor holds ``src_piece``; -1 means ``src`` itself. The
+    planner always fills it in; the default keeps hand-built moves short."""
+
+    @property
+    def src_owner(self) -> int:
+        """The device whose old local tensor ``src`` reads: ``owner``, or ``src`` if unset."""
+        return self.src if self.owner < 0 else self.owner
 
 
 class _Placed(NamedTuple):
@@ -158,53 +175,101 @@ class _Item(NamedTuple):
     src_piece: Piece
     dst_piece: Piece
     nbytes: int         # bytes per tensor
+    owners: tuple[int, ...]  # per holder of the class: whose old tensor it reads this from
 
 
-def _validate_devices(old: Layout, new: Layout, dead: frozenset[int]) -> None:
+def _validate_devices(old: Layout, new: Layout, dead: frozenset[int],
+                      proxies: Mapping[int, int]) -> None:
     bad = sorted(dead & set(new.device_of))
     if bad:
         raise PlanError(f"device(s) {bad} are marked dead but the new layout uses them")
+    known = set(old.device_of) | set(new.device_of)
+    for d, p in sorted(proxies.items()):
+        if d not in dead:
+            raise PlanError(f"proxies[{d}] = {p}, but device {d} is not marked dead; only a dead "
+                            f"device's state needs a proxy (dead: {sorted(dead)})")
+        if p in dead:
+            raise PlanError(f"proxies[{d}] = {p}, but device {p} is dead too; a proxy must be a "
+                            "live device of the old or new layout")
+        if p not in known:
+            raise PlanError(f"proxies[{d}] = {p}, but device {p} is in neither layout; a proxy "
+                            f"must be a live device of the old or new layout ({sorted(known)})")
+
+
+def _senders(devices: tuple[int, ...], dead: frozenset[int], proxies: Mapping[int, int]
+             ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(holders, owners) of one old shard once failures are taken into account.
+
+    Live holders keep their place and read their own tensor. Only a shard with no live holder
+    left is read from a mirror: a dead holder with a proxy is then replaced by the proxy. That
+    is exactly what a mirror holds (a device mirrors the shards that no other device holds),
+    so a replicated shard is never asked of a mirror. The proxy is listed once even if it
+    stands in for several dead holders.
+    """
+    holders = [h for h in devices if h not in dead]
+    owners = list(holders)
+    if holders:
+        return tuple(holders), tuple(owners)
+    for h in devices:
+        p = proxies.get(h) if h in dead else None
+        if p is not None and p not in holders:
+            holders.append(p)
+            owners.append(h)
+    return tuple(holders), tuple(owners)
 
 
 def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: int = 8,
-                dead: Iterable[int] = (), only_device: int | None = None) -> Plan:
+                dead: Iterable[int] = (), proxies: Mapping[int, int] | None = None,
+                only_device: int | None = None) -> Plan:
     """Plan the switch of ``model`` from ``old`` to ``new`` (layouts carry their devices).
 
-    ``dead`` devices are not used as sources (their state is lost). With ``only_device``, only
-    the records that involve that device are produced (its own part of the plan): they are
-    exactly the full plan's records for it, at a fraction of the cost.
+    ``dead`` devices are not used as sources (their state is lost). ``proxies[d] = p`` says
+    that live device ``p`` holds a mirror of dead device ``d``'s old local tensors (exactly its
+    old pieces): ``p`` then serves ``d``'s data, and the moves it reads from the mirror have
+    ``owner == d``. With ``only_device``, only the records that involve that device are produced
+    (its own part of the plan): they are exactly the full plan's records for it, at a fraction
+    of the cost.
     """
     t0 = time.perf_counter()
     if gpus_per_node < 1:
         raise PlanError(f"gpus_per_node={gpus_per_node} must be >= 1")
     ob, nb = bind(old, model), bind(new, model)
     dead_set = frozenset(dead)
-    _validate_devices(ob.layout, nb.layout, dead_set)
+    proxies = dict(proxies or {})
+    _validate_devices(ob.layout, nb.layout, dead_set, proxies)
     groups = tensor_groups(model, ob, nb)
     states = model_states(model)
     copies: list[Move] = []
     classes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Item]] = {}
     d = only_device
+    # The old devices whose state ``d`` can read: its own (if alive) and its mirrors.
+    held = None if d is None else (
+        {d} - dead_set) | {dead_d for dead_d, p in proxies.items() if p == d}
 
     for gi, g in enumerate(groups):
-        if d is not None and not _group_touches(g, ob, nb, d):
+        if d is not None and not _group_touches(g, ob, nb, d, held):
             continue
         n_tensors = len(g.names)
         for si, state in enumerate(states):
             itemsize = state_itemsize(g.tensor, state)
             olds = _placed(ob, g.tensor, state, g.old_stages)
             news = _placed(nb, g.tensor, state, g.new_stages)
-            for region, op, oi, np_, ni in _region_pairs(olds, news, d):
-                holders = olds[oi].devices
-                if dead_set:
-                    holders = tuple(h for h in holders if h not in dead_set)
-                hset = set(holders)
+            # Per old shard, on first use (one device's part touches few): its holders, whose
+            # tensor each reads, and holder -> owner.
+            senders: dict[int, tuple] = {}
+            for region, op, oi, np_, ni in _region_pairs(olds, news, d, held):
+                if oi not in senders:
+                    devs = olds[oi].devices
+                    hs, os_ = _senders(devs, dead_set, proxies) if dead_set else (devs, devs)
+                    senders[oi] = (hs, os_, dict(zip(hs, os_)))
+                holders, owners, owner_of = senders[oi]
                 nbytes = box_numel(region) * itemsize
                 remote = []
                 for r in news[ni].devices:
-                    if r in hset:
+                    owner = owner_of.get(r)
+                    if owner is not None:
                         if d is None or r == d:
-                            copies.append(Move(gi, state, r, r, region, op, np_, nbytes))
+                            copies.append(Move(gi, state, r, r, region, op, np_, nbytes, owner))
                     else:
                         remote.append(r)
                 if not remote:
@@ -212,9 +277,10 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: in
                 if not holders:
                     raise PlanError(
                         f"no surviving copy of {g.names[0]} ({state}) region {list(region)}: "
-                        f"all of its holders {sorted(olds[oi].devices)} are dead")
+                        f"all of its holders {sorted(olds[oi].devices)} are dead and none has "
+                        "a proxy")
                 classes.setdefault((holders, tuple(remote)), []).append(
-                    _Item(nbytes * n_tensors, gi, si, region, op, np_, nbytes))
+                    _Item(nbytes * n_tensors, gi, si, region, op, np_, nbytes, owners))
 
     transfers, class_loads, need = _assign_sources(classes, states, gpus_per_node, d)
     plan = Plan(model, ob, nb, groups, copies, transfers, gpus_per_node, class_loads, need)
@@ -223,31 +289,44 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: in
 
 
 def plan_for_device(model: ModelSpec, old: Layout, new: Layout, device: int, **kw) -> Plan:
-    """One device's own part of the plan: the moves it sends, receives or copies."""
+    """One device's own part of the plan: the moves it sends, receives or copies (``kw`` as
+    for :func:`plan_switch`, e.g. ``dead`` and ``proxies``)."""
     return plan_switch(model, old, new, only_device=device, **kw)
 
 
-def _group_touches(g: TensorGroup, ob: BoundLayout, nb: BoundLayout, device: int) -> bool:
-    """Whether ``device`` holds the group under the old layout or receives it under the new."""
-    for bound, stages in ((ob, g.old_stages), (nb, g.new_stages)):
-        rank = bound.rank_of_device.get(device)
-        if rank is not None and bound.coords(rank)[0] in stages:
+def _group_touches(g: TensorGroup, ob: BoundLayout, nb: BoundLayout, device: int,
+                   held: set[int]) -> bool:
+    """Whether ``device`` can serve the group (it or a device it mirrors holds it under the old
+    layout) or receives it under the new."""
+    for owner in held:
+        rank = ob.rank_of_device.get(owner)
+        if rank is not None and ob.coords(rank)[0] in g.old_stages:
             return True
-    return False
+    rank = nb.rank_of_device.get(device)
+    return rank is not None and nb.coords(rank)[0] in g.new_stages
 
 
-def _region_pairs(olds: list[_Placed], news: list[_Placed], device: int | None):
-    """Overlapping (old piece, new piece) pairs; with ``device``, only pairs it is part of."""
+def _region_pairs(olds: list[_Placed], news: list[_Placed], device: int | None,
+                  held: set[int] | None = None):
+    """Overlapping (old piece, new piece) pairs; with ``device``, only pairs it is part of.
+
+    ``held`` are the old devices whose state ``device`` serves (itself if alive, and those it
+    mirrors): it is a holder of an old shard exactly when one of them holds the shard.
+    """
     def flat(placed, keep):
         return [(p, i) for i, s in enumerate(placed) if keep(s) for p in s.pieces]
 
     if device is None:
         yield from _overlaps(flat(olds, lambda s: True), flat(news, lambda s: True))
         return
-    mine = lambda s: device in s.devices  # noqa: E731 - tiny predicate
+
+    def mine_old(s: _Placed) -> bool:
+        return not held.isdisjoint(s.devices)
+
     # Pairs where the device is a holder, then pairs where it is a receiver (and not a holder).
-    yield from _overlaps(flat(olds, mine), flat(news, lambda s: True))
-    yield from _overlaps(flat(olds, lambda s: not mine(s)), flat(news, mine))
+    yield from _overlaps(flat(olds, mine_old), flat(news, lambda s: True))
+    yield from _overlaps(flat(olds, lambda s: not mine_old(s)),
+                         flat(news, lambda s: device in s.devices))
 
 
 def _assign_sources(classes, states, gpus_per_node: int, device: int | None):
@@ -280,7 +359,8 @@ def _assign_sources(classes, states, gpus_per_node: int, device: int | None):
                 src = holders[best]
                 if device is None or src == device or r == device:
                     transfers.append(Move(it.group, states[it.state_index], src, r, it.box,
-                                          it.src_piece, it.dst_piece, it.nbytes))
+                                          it.src_piece, it.dst_piece, it.nbytes,
+                                          it.owners[best]))
         class_loads[holders] = class_loads.get(holders, 0) + sum(loads)
         per_receiver = sum(it.total for it in items)
         for r in receivers:

@@ -13,6 +13,12 @@ as soon as its last reader (local copy or send) is done, so memory peaks near ol
 staging rather than at two copies of everything. Optional checksums (two 64-bit sums per
 message) prove the bytes arrived intact.
 
+After a failure, a device may hold **mirrors**: copies of dead devices' old local tensors (its
+buddies' host-memory backups). The plan then names it as the sender of the dead devices' data
+(each move's ``owner`` says whose old tensor to read); it reads those regions from the mirror,
+both for local copies and for sends. Mirrors are never adopted and never released: they may be
+the last copy of a dead device's state, still needed if this switch fails and is retried.
+
 Every wait has a timeout; a failure raises :class:`TransitionError` naming the round, the peer
 and what went wrong. The engine knows nothing about training: it moves (tensor, state) local
 tensors described by the mapping's pieces, on any process group whose ranks are devices.
@@ -28,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import abandon, faults
 from .boxes import box_extents, relative
 from .planner import Plan
 
@@ -70,7 +77,12 @@ class Message(NamedTuple):
 
 
 def schedule_rounds(plan: Plan, staging_bytes: int) -> list[list[Message]]:
-    """The rounds of network messages, the same on every device (it reads the full plan)."""
+    """The rounds of network messages, the same on every device (it reads the full plan).
+
+    Messages go per (sending process, receiver) pair: what a proxy sends from its own old
+    tensors and from a mirror to the same receiver shares one queue, in plan order, which is
+    the same on every device because the plan is.
+    """
     queues: dict[tuple[int, int], list[Item]] = {}
     for i, m in enumerate(plan.transfers):
         for name in plan.groups[m.group].names:
@@ -136,26 +148,12 @@ def _checksum(buf: torch.Tensor) -> torch.Tensor:
     return torch.stack([b.sum(), (b * weights).sum()])
 
 
-def _maybe_inject_fault(device: int, round_index: int) -> None:
-    """Deterministic failure injection for tests: DYNATRAIN_FAULT="device:D,round:R[,mode:M]"
-    makes device D, on reaching network round R, exit abruptly like kill -9 (mode ``exit``,
-    the default) or stop responding for good (mode ``hang``)."""
-    spec = os.environ.get("DYNATRAIN_FAULT")
-    if not spec:
-        return
-    fields = dict(part.split(":", 1) for part in spec.split(","))
-    if int(fields.get("device", -1)) == device and int(fields.get("round", 0)) == round_index:
-        if fields.get("mode", "exit") == "hang":
-            while True:
-                time.sleep(3600)
-        os._exit(17)
-
-
 def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, group,
                        group_rank: dict[int, int], rounds: list[list[Message]],
                        config: TransitionConfig = TransitionConfig(),
                        torch_device: torch.device | None = None,
-                       old_pieces: dict | None = None, new_pieces: dict | None = None
+                       old_pieces: dict | None = None, new_pieces: dict | None = None,
+                       mirrored: dict[int, dict[tuple[str, str], torch.Tensor]] | None = None
                        ) -> tuple[dict, TransitionStats]:
     """Run ``device``'s part of ``plan``.
 
@@ -165,11 +163,33 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
     over every device of the switch, ``group_rank[device]`` its rank there. old_pieces /
     new_pieces (same keys, the mapping's pieces) let identical tensors be adopted uncopied; an
     adopted tensor is never written, so sending from it to other devices stays correct.
+    mirrored: dead device -> its old local tensors (same keys and shapes as its ``old`` would
+    have had) that this device holds as its proxy; moves owned by that device read from there.
+    Mirrors are only read, never adopted or released.
     Returns the new local tensors and statistics.
     """
     t0 = time.perf_counter()
     stats = TransitionStats()
     dev = torch_device or torch.device("cpu")
+    mirrored = mirrored or {}
+
+    def source(m, name: str) -> torch.Tensor:
+        """The old local tensor ``m`` reads ``name`` from: ours, or a dead device's mirror."""
+        owner = m.src_owner
+        if owner == device:
+            return old[(name, m.state)]
+        held = mirrored.get(owner)
+        if held is None:
+            raise TransitionError(
+                f"device {device}: the plan has it read dead device {owner}'s {name} "
+                f"({m.state}) as its proxy, but it holds no mirror of device {owner} (it holds "
+                f"mirrors of {sorted(mirrored)}); pass them as mirrored={{{owner}: ...}}")
+        t = held.get((name, m.state))
+        if t is None:
+            raise TransitionError(f"device {device}: the mirror of device {owner} lacks {name} "
+                                  f"({m.state}), which the plan reads from it")
+        return t
+
     new, adopted = {}, set()
     for key, (shape, dtype) in new_shapes.items():
         t = old.get(key)
@@ -182,17 +202,20 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             new[key] = torch.empty(shape, dtype=dtype, device=dev)
     stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in adopted)
 
-    # Last reader of each old tensor: -1 = the local copies, r = network round r.
+    # Last reader of each of our own old tensors: -1 = the local copies, r = network round r.
+    # Reads from mirrors do not count: mirrors are kept (see the module docstring).
     last_use: dict = {}
     for m in plan.copies:
-        if m.src == device:
+        if m.dst == device and m.src_owner == device:
             for name in plan.groups[m.group].names:
                 last_use[(name, m.state)] = -1
     for r, messages in enumerate(rounds):
         for msg in messages:
             if msg.src == device:
                 for it in msg.items:
-                    last_use[(it.name, plan.transfers[it.move].state)] = r
+                    mv = plan.transfers[it.move]
+                    if mv.src_owner == device:
+                        last_use[(it.name, mv.state)] = r
 
     def release(upto: int) -> None:
         for key in [k for k, r in last_use.items() if r <= upto]:
@@ -207,20 +230,21 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             if m.dst != device:
                 continue
             for name in plan.groups[m.group].names:
-                if (name, m.state) in adopted:
+                if (name, m.state) in adopted and m.src_owner == device:
                     continue  # already in place: the old tensor is the new one
                 _region(new[(name, m.state)], m.dst_piece, m.box).copy_(
-                    _region(old[(name, m.state)], m.src_piece, m.box))
+                    _region(source(m, name), m.src_piece, m.box))
                 stats.bytes_copied += m.nbytes
         release(-1)
         stats.copy_seconds = time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        faults.inject("transfer", device)
         for r, messages in enumerate(rounds):
             mine = [msg for msg in messages if device in (msg.src, msg.dst)]
             if not mine:
                 continue
-            _maybe_inject_fault(device, r)
+            faults.inject("round", device, r)
             stats.rounds += 1
             works, inbound, staged = [], [], 0
             for msg in mine:
@@ -228,7 +252,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     parts = []
                     for it in msg.items:
                         mv = plan.transfers[it.move]
-                        region = _region(old[(it.name, mv.state)], mv.src_piece, mv.box)
+                        region = _region(source(mv, it.name), mv.src_piece, mv.box)
                         parts.append(region.contiguous().view(torch.uint8).reshape(-1))
                     buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
                     if config.checksums:
@@ -246,7 +270,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             for msg, work in works:
                 peer = msg.dst if msg.src == device else msg.src
                 try:
-                    if work.wait(config.timeout) is False:
+                    if abandon.wait(work, config.timeout) is False:
                         raise TimeoutError("wait returned False")
                 except Exception as e:  # gloo/NCCL report timeouts and lost peers differently
                     raise TransitionError(
@@ -254,7 +278,9 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                         f"{config.timeout.total_seconds():.0f} s: {e}") from e
             for msg, buf in inbound:
                 if config.checksums:
-                    payload, tail = buf[:-16], buf[-16:]
+                    # The sums follow the payload, which need not be a multiple of 8 bytes
+                    # (fp32 regions of odd length): copy them out to view them as int64.
+                    payload, tail = buf[:-16], buf[-16:].clone()
                     if not torch.equal(_checksum(payload), tail.view(torch.int64)):
                         raise TransitionError(f"device {device}: checksum mismatch in the "
                                               f"message from device {msg.src} (round {r})")

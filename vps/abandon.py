@@ -1,0 +1,105 @@
+"""Abandoning a failed generation: every wait on a collective can be cut short from outside.
+
+When a worker dies without notice, its peers are left inside a collective. Those that talked
+to it directly get an error from the transport at once, but the others wait on peers that are
+themselves stuck or gone, until the group's timeout (a minute). ``ProcessGroupGloo.abort`` does
+not wake such a wait (measured on torch 2.15: the blocked wait only ended when the peer process
+exited), so DynaTrain never blocks in ``work.wait()`` itself: every wait of the trainer and of
+the transition engine goes through :func:`wait`, which sleeps on the work's future *or* on a
+failure notice, whichever comes first. The agent calls :func:`abandon` when the controller
+reports a failure; the training loop then gets :class:`GenerationAbandoned`, drops the trainer
+(its groups are left to time out in their own threads, never reused) and restores from the
+in-memory redundancy. :func:`reset` re-arms the waits once the next generation starts.
+
+One process runs one trainer, so the notice is process-wide.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+
+
+class GenerationAbandoned(RuntimeError):
+    """The running generation was abandoned (a member failed); its collectives are void."""
+
+
+_lock = threading.Lock()
+_reason: str | None = None
+_waiting: set[threading.Event] = set()
+
+
+def abandon(reason: str) -> None:
+    """Wake every wait, now and until :func:`reset`, with :class:`GenerationAbandoned`."""
+    global _reason
+    with _lock:
+        _reason = reason
+        for ev in _waiting:
+            ev.set()
+
+
+def reset() -> None:
+    """Re-arm: the next generation's collectives wait normally again."""
+    global _reason
+    with _lock:
+        _reason = None
+
+
+def abandoned() -> str | None:
+    """The reason given to :func:`abandon`, or None."""
+    return _reason
+
+
+def check() -> None:
+    if _reason is not None:
+        raise GenerationAbandoned(_reason)
+
+
+def wait(work, timeout: timedelta | None = None):
+    """``work.wait()``, unless the generation is abandoned first. Errors of the work itself (a
+    lost peer, the group's timeout or ``timeout``) are raised as the backend reports them;
+    returns what ``work.wait`` returned."""
+    check()
+    try:
+        future = work.get_future()
+    except RuntimeError:        # gloo's point-to-point works have no future
+        future = None
+    if future is not None:
+        if not work.is_completed():
+            _sleep_until(future.add_done_callback)
+            if not work.is_completed():
+                check()
+        return work.wait() if timeout is None else work.wait(timeout)
+    # Without a future (gloo send/recv: is_completed() turns true only inside wait()), the
+    # wait itself runs on a helper thread; an abandoned one is left there, blocked until
+    # its peer's socket closes or the group's timeout ends it.
+    done: Future = Future()
+
+    def run():
+        try:
+            done.set_result(work.wait() if timeout is None else work.wait(timeout))
+        except BaseException as e:  # handed to the waiting thread
+            done.set_exception(e)
+
+    # A daemon thread: one stuck in an abandoned wait must not hold up the process's exit.
+    threading.Thread(target=run, name="dynatrain-wait", daemon=True).start()
+    _sleep_until(done.add_done_callback)
+    if not done.done():
+        check()
+    return done.result()
+
+
+def _sleep_until(add_done_callback) -> None:
+    ev = threading.Event()
+    with _lock:
+        _waiting.add(ev)
+        if _reason is not None:
+            ev.set()
+    try:
+        # The callback runs on whichever thread ends the work (well or badly).
+        add_done_callback(lambda _: ev.set())
+        ev.wait()
+    finally:
+        with _lock:
+            _waiting.discard(ev)

@@ -1,0 +1,45 @@
+"""Deterministic failure injection, for the tests and ``dynatrain bench chaos``.
+
+``DYNATRAIN_FAULT="device:D,at:POINT[,round:R][,skip:N][,mode:M]"`` makes device D fail at a
+named point of its work, like ``kill -9`` (mode ``exit``, the default) or by never answering
+again (mode ``hang``):
+
+- ``at:round`` (the default; with ``round:R``): on reaching network round R of a transfer;
+- ``at:transfer``: as a switch's transfer starts;
+- ``at:prepare``: inside the background preparation of a generation.
+
+``skip:N`` lets the first N arrivals at the point pass (e.g. the job's first generation is a
+preparation too). With ``DYNATRAIN_FAULT_LOG=FILE`` the device appends one JSON line (device,
+point, wall time) before it fails, so a benchmark can time recovery from the fault itself.
+Without the variable these calls cost one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+_arrivals: dict[str, int] = {}
+
+
+def inject(point: str, device: int, round_index: int | None = None) -> None:
+    spec = os.environ.get("DYNATRAIN_FAULT")
+    if not spec:
+        return
+    fields = dict(part.split(":", 1) for part in spec.split(","))
+    if int(fields.get("device", -1)) != device or fields.get("at", "round") != point:
+        return
+    if point == "round" and int(fields.get("round", 0)) != round_index:
+        return
+    _arrivals[point] = _arrivals.get(point, 0) + 1
+    if _arrivals[point] <= int(fields.get("skip", 0)):
+        return
+    log = os.environ.get("DYNATRAIN_FAULT_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"device": device, "point": point, "time": time.time()}) + "\n")
+    if fields.get("mode", "exit") == "hang":
+        while True:
+            time.sleep(3600)
+    os._exit(17)
