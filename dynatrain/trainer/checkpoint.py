@@ -7,21 +7,57 @@ piece (DCP itself drops the duplicates that replicas write), and the load planne
 ``create_read_items_for_chunk_list`` which saved chunks cover each new piece. So resharding,
 the part a live switch is checked against, is entirely DCP's. This is also the checkpoint-and-
 restart path the live switch is compared with, and the last-resort checkpoint.
+
+Besides the tensors a checkpoint holds the scalars a job needs to resume exactly: step and data
+position, and every saving rank's CPU RNG state as one row of a ``[world, state bytes]`` tensor.
+A rank of the loading layout gets the row of the same rank (modulo the saved world, so a larger
+layout still gets a state); checkpoints written before the RNG was saved load with ``rng={}``.
+
+:func:`save_checkpoint` is the elastic job's periodic last-resort checkpoint. Every rank of the
+layout calls it at the same step boundary; ranks write into ``root/.step-00000042.tmp``, and
+only once every rank has finished does the lowest rank write the metadata, rename the directory
+to ``root/step-00000042`` (atomic), and prune to ``keep`` checkpoints. A ``step-*`` directory is
+therefore always complete, and :func:`latest_checkpoint` ignores anything else.
+
+Why not ``dcp.save(process_group=group)``: the elastic workers build every group directly
+(``ProcessGroupGloo(PrefixStore(...), ...)``) and never create a default process group, because
+the world changes with every generation. DCP then silently treats the call as a single-process
+save (``no_dist`` is forced when ``dist.is_initialized()`` is false, and ``process_group`` is
+ignored): every rank writes ``__0_0.distcp`` and ``.metadata`` into the same directory and they
+overwrite each other. Registering a group needs a default group, and DCP's experimental
+``use_collectives=False`` mode takes each rank's file names from that same (absent) default
+group and writes per-rank metadata that resharding cannot read without merging it by hand.
+Instead :func:`save_checkpoint` drives DCP's documented save protocol itself (``SavePlanner`` /
+``StorageWriter``: local plans on every rank, the global plan and the metadata on the
+coordinator, writes on every rank, ``finish`` on the coordinator), moving the plans between
+ranks with an all-gather over the group's own methods, which works for any group object. The
+result is the checkpoint ``dcp.save`` writes with a registered group: DCP's own deduplication
+of replicas and coverage checks, data files named by DCP, one ``.metadata``, and ordinary DCP
+loading (with resharding) by :func:`load_state`. Any rank's failure in any phase is raised on
+every rank, naming the rank, so no rank renames a half-written checkpoint or waits for ever.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import re
+import shutil
+import time
 import warnings
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from dynatrain.vps import abandon
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.transition import piece_view
 
@@ -29,6 +65,13 @@ from .trainer import LocalState
 from .weights import TORCH_DTYPES
 
 _SCALARS = "__dynatrain_scalars__"
+_RNG = "__dynatrain_rng_cpu__"
+_METADATA = ".metadata"  # DCP's FileSystemWriter name; it is written last, by the coordinator
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A collective checkpoint save failed; the message names the rank(s) and the reason."""
 
 
 def _fqn(name: str, state: str) -> str:
@@ -64,21 +107,30 @@ class _PieceSavePlanner(DefaultSavePlanner):
 
 
 class _PieceLoadPlanner(DefaultLoadPlanner):
-    def __init__(self, chunks: dict[str, list[tuple[tuple, torch.Tensor]]]):
+    """Reads ``chunks`` (all required) and, when the checkpoint has one, RNG row ``rng_row``."""
+
+    def __init__(self, chunks: dict[str, list[tuple[tuple, torch.Tensor]]],
+                 rng_row: int | None = None):
         super().__init__()
-        self.chunks = chunks
+        self.chunks, self.rng_row = chunks, rng_row
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        if self.rng_row is not None and _RNG in saved:
+            # Its size is only known from the checkpoint: allocate it now. Older checkpoints
+            # have no RNG and load without one.
+            rows, nbytes = saved[_RNG].size
+            self.chunks[_RNG] = [((self.rng_row % rows, 0),
+                                  torch.empty((1, nbytes), dtype=torch.uint8))]
         requests = []
         for fqn, chunks in self.chunks.items():
-            if fqn not in self.metadata.state_dict_metadata:
+            if fqn not in saved:
                 raise KeyError(f"checkpoint has no {fqn}")
             local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in chunks]
-            requests += create_read_items_for_chunk_list(
-                fqn, self.metadata.state_dict_metadata[fqn], local)
+            requests += create_read_items_for_chunk_list(fqn, saved[fqn], local)
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
@@ -94,20 +146,46 @@ def _chunks(tensors: dict) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
     return out
 
 
-def save_state(state: LocalState, model, path: str, process_group=None) -> None:
-    """Write this rank's state (collective over ``process_group``: every old rank calls it)."""
+def _state_chunks(state: LocalState, model, rank: int, world: int):
+    """What one rank writes of ``state``: its pieces, the scalars, its RNG row (if it has one)."""
     chunks = _chunks(state.tensors)
     specs = {t.name: t for t in model.tensors}
     sizes = {_fqn(n, s): torch.Size(specs[n].shape) for n, s in state.tensors}
     scalars = torch.tensor([state.step, state.data_position], dtype=torch.int64)
     chunks[_SCALARS] = [((0,), scalars)]
     sizes[_SCALARS] = torch.Size([2])
+    rng = state.rng.get("cpu")
+    if rng is not None:
+        row = rng.detach().to("cpu", torch.uint8).reshape(1, -1)
+        chunks[_RNG] = [((rank, 0), row)]
+        sizes[_RNG] = torch.Size([world, row.shape[1]])
+    return chunks, sizes
+
+
+def save_state(state: LocalState, model, path: str, process_group=None) -> None:
+    """Write this rank's state (collective over ``process_group``: every old rank calls it).
+
+    Needs a default process group (``dist.init_process_group``); without one use
+    :func:`save_checkpoint`.
+    """
+    rank, world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    chunks, sizes = _state_chunks(state, model, rank, world)
     dcp.save({}, checkpoint_id=path, planner=_PieceSavePlanner(chunks, sizes),
              process_group=process_group)
 
 
 def load_state(bound, rank: int, path: str, device=None) -> LocalState:
-    """This rank's state under ``bound``'s layout, resharded by DCP from the checkpoint."""
+    """This rank's state under ``bound``'s layout, resharded by DCP from the checkpoint.
+
+    Reads in this process only (no collective), so any number of ranks of any layout can load
+    the same checkpoint. ``rng`` is ``{"cpu": ByteTensor}`` when the checkpoint has RNG states.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, _METADATA)):
+        raise FileNotFoundError(f"{path!r} is not a complete checkpoint (it has no {_METADATA}); "
+                                "latest_checkpoint(root) finds the newest complete one")
     tensors = {}
     for rs in rank_shards(bound, rank):
         dtype = TORCH_DTYPES[rs.tensor.dtype] if rs.state == "param" else torch.float32
@@ -116,9 +194,244 @@ def load_state(bound, rank: int, path: str, device=None) -> LocalState:
     chunks = _chunks(tensors)
     scalars = torch.zeros(2, dtype=torch.int64)
     chunks[_SCALARS] = [((0,), scalars)]
+    planner = _PieceLoadPlanner(chunks, rng_row=rank)
     with warnings.catch_warnings():  # a single-process load is exactly what we ask for
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load({}, checkpoint_id=path, planner=_PieceLoadPlanner(chunks), no_dist=True)
+        dcp.load({}, checkpoint_id=path, planner=planner, no_dist=True)
     if device is not None:
         tensors = {k: (t.to(device), p) for k, (t, p) in tensors.items()}
-    return LocalState(tensors, int(scalars[0]), int(scalars[1]))
+    rng = {"cpu": planner.chunks[_RNG][0][1][0].clone()} if _RNG in planner.chunks else {}
+    return LocalState(tensors, int(scalars[0]), int(scalars[1]), rng)
+
+
+# -- the periodic checkpoint of the elastic job ------------------------------------------------
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A completed :func:`save_checkpoint`; usable as the checkpoint's path (``os.fspath``)."""
+
+    path: str
+    step: int
+    seconds: float
+    """Wall time of the save on this rank: from the call until the checkpoint was in place."""
+    bytes_written: int
+    """Bytes this rank wrote (replicas write their shared pieces once, between them)."""
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step`` (zero-padded: names sort by step)."""
+    return f"step-{step:08d}"
+
+
+def _group_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: NCCL wants the current GPU."""
+    if (group.name() if hasattr(group, "name") else "") == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wait(work) -> None:
+    # The one place a save blocks on its peers: a lost peer surfaces here as the backend's
+    # error after the group's timeout, or at once when the agent abandons the generation.
+    abandon.wait(work)
+
+
+def _all_gather_object(group, obj) -> list:
+    """Every rank's ``obj``, in group-rank order.
+
+    Uses only the group's own ``allgather``: ``dist.all_gather_object`` also works on a group
+    built directly, but through a path torch warns is deprecated for such groups.
+    """
+    if group is None:
+        return [obj]
+    device = _group_device(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(group.size())]
+    _wait(group.allgather([sizes], [size]))
+    longest = max(int(s) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[:data.numel()] = data.to(device)
+    bufs = [torch.empty_like(buf) for _ in range(group.size())]
+    _wait(group.allgather([bufs], [buf]))
+    return [pickle.loads(b[:int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+def _phase(group, what: str, fn) -> list:
+    """Run ``fn`` on this rank, then share every rank's result; a failure anywhere raises on
+    every rank (so no rank goes on to the next phase and waits there for ever)."""
+    error = None
+    try:
+        mine = ("ok", fn())
+    except Exception as e:  # shared with every rank below, then raised
+        error, mine = e, ("error", f"{type(e).__name__}: {e}")
+    everyone = _all_gather_object(group, mine)
+    failed = [(r, msg) for r, (kind, msg) in enumerate(everyone) if kind == "error"]
+    if failed:
+        raise CheckpointError(f"checkpoint {what} failed on " + "; ".join(
+            f"rank {r}: {msg}" for r, msg in failed)) from error
+    return [value for _, value in everyone]
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (where the platform lets us open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in ``root``, oldest first."""
+    found = []
+    for entry in os.scandir(root):
+        m = _STEP_DIR.fullmatch(entry.name)
+        if m and entry.is_dir() and os.path.isfile(os.path.join(entry.path, _METADATA)):
+            found.append((int(m.group(1)), entry.path))
+    return sorted(found)
+
+
+def latest_checkpoint(root) -> tuple[str, int] | None:
+    """(path, step) of the newest complete checkpoint under ``root``; None if there is none.
+
+    Directories of saves still in progress or interrupted (``.step-*.tmp``) are never complete.
+    """
+    root = os.fspath(root)
+    if not os.path.exists(root):
+        return None
+    if not os.path.isdir(root):
+        raise NotADirectoryError(f"checkpoint root {root!r} exists but is not a directory; "
+                                 "pass the directory the checkpoints are saved in")
+    found = _complete_checkpoints(root)
+    if not found:
+        return None
+    step, path = found[-1]
+    return path, step
+
+
+def _prune(root: str, current: int, keep: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``current``; drop everything else.
+
+    Checkpoints of steps after ``current`` can only exist if the job was resumed from an earlier
+    one: they belong to the abandoned run, and a later restart must not jump back into it.
+    Hidden ``.step-*`` directories are interrupted saves or replaced checkpoints (no save is in
+    flight while the lowest rank prunes: saves are collective and one at a time).
+    """
+    complete = _complete_checkpoints(root)
+    older = [p for s, p in complete if s <= current]
+    doomed = [p for s, p in complete if s > current] + older[:max(0, len(older) - keep)]
+    doomed += [e.path for e in os.scandir(root) if e.name.startswith(".step-") and e.is_dir()]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: int | None = None,
+                    group_size: int | None = None, keep: int = 2) -> SavedCheckpoint:
+    """Save the job's state at ``state.step`` as ``root/step-00000042``; collective.
+
+    Every rank of the layout calls it at the same step boundary with its own ``state``.
+    ``group`` is the layout's whole world (``ParallelGroups.world``; None for one rank), any
+    process-group object (a ``ProcessGroupGloo`` built directly works; no default process group
+    is needed). ``group_rank`` / ``group_size``, if given, are checked against the group. ``root``
+    must be storage every rank sees (one shared directory); it belongs to this job.
+    Returns when the checkpoint is complete and in place on every rank; raises
+    :class:`CheckpointError` on every rank if any rank failed, leaving no ``step-*`` directory.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r}: must be an integer >= 1 (the checkpoints to retain)")
+    rank, size = (0, 1) if group is None else (group.rank(), group.size())
+    if group is None and group_size not in (None, 1):
+        raise ValueError(f"group_size={group_size} but group is None: pass the layout's world "
+                         "group (ParallelGroups.world) when more than one rank saves")
+    if (group_rank is not None and group_rank != rank) or (group_size is not None
+                                                           and group_size != size):
+        raise ValueError(f"group_rank={group_rank}, group_size={group_size} do not match the "
+                         f"group (rank {rank} of {size})")
+    root = os.fspath(root)
+    name = checkpoint_name(state.step)
+    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    coordinator = rank == 0
+    what = f"of step {state.step}"
+
+    def prepare():
+        if coordinator:
+            if os.path.exists(root) and not os.path.isdir(root):
+                raise NotADirectoryError(f"checkpoint root {root!r} is not a directory")
+            shutil.rmtree(tmp, ignore_errors=True)   # an interrupted save of this step
+            os.makedirs(tmp)
+        rng = state.rng.get("cpu")
+        return state.step, state.data_position, None if rng is None else rng.numel()
+
+    # Also the barrier that keeps every rank from writing before the directory is fresh.
+    seen = _phase(group, f"{what} (prepare)", prepare)
+    if len(set(seen)) > 1:
+        raise CheckpointError("ranks disagree on what to save; (step, data position, RNG bytes) "
+                              "by rank: " + ", ".join(f"{r}: {v}" for r, v in enumerate(seen)))
+
+    chunks, sizes = _state_chunks(state, model, rank, size)
+    planner = _PieceSavePlanner(chunks, sizes)
+    writer = FileSystemWriter(tmp)
+
+    def local_plan():
+        planner.set_up_planner({}, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
+        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    plans = _phase(group, f"{what} (local plan)", local_plan)
+    metadata = None
+
+    def global_plan():
+        nonlocal metadata
+        if not coordinator:
+            return None
+        global_plans, metadata = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(global_plans)
+
+    central = _phase(group, f"{what} (global plan)", global_plan)[0][rank]
+
+    def write():
+        final_plan = planner.finish_plan(central)
+        future = writer.write_data(final_plan, planner)
+        future.wait()
+        return future.value(), sorted(os.listdir(tmp))
+
+    wrote = _phase(group, f"{what} (write)", write)
+    results = [r for r, _ in wrote]
+
+    def commit():
+        if not coordinator:
+            return
+        here = set(os.listdir(tmp))
+        for r, (_, seen) in enumerate(wrote):
+            if not here.issuperset(seen):
+                raise FileNotFoundError(
+                    f"rank {r} wrote {sorted(set(seen) - here)} into {tmp}, which rank 0 does "
+                    "not see there: the checkpoint root must be storage every rank shares")
+        writer.finish(metadata, results)            # .metadata: the data is all there now
+        if os.path.exists(final):                    # the same step saved before: replace it
+            aside = os.path.join(root, f".{name}.replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        try:
+            _prune(root, state.step, keep)
+        except OSError as e:  # the new checkpoint is in place; stale ones only cost space
+            warnings.warn(f"checkpoint {final}: pruning {root} failed: {e}")
+
+    _phase(group, f"{what} (commit)", commit)
+    nbytes = sum(r.size_in_bytes for r in results[rank])
+    return SavedCheckpoint(final, state.step, time.perf_counter() - t0, nbytes)

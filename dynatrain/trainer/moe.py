@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dynatrain.vps.abandon import wait
+
 from .tp import copy_to_tp, reduce_from_tp
 
 
@@ -28,14 +30,16 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        wait(dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
+                                    async_op=True))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        wait(dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits,
+                                    group=ctx.group, async_op=True))
         return back, None, None, None
 
 
@@ -63,7 +67,7 @@ def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: t
     if ep > 1:
         counts = torch.bincount(sorted_expert, minlength=num_experts)            # (E,)
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=ep_group)              # (ep*E_local,)
+        wait(dist.all_to_all_single(recv_counts, counts, group=ep_group, async_op=True))
         send_splits = counts.view(ep, e_local).sum(dim=1).tolist()
         recv_splits = recv_counts.view(ep, e_local).sum(dim=1).tolist()
         received = _AllToAll.apply(tokens, recv_splits, send_splits, ep_group)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dynatrain.vps.abandon import wait
+
 
 def fill_missing_grads(working: dict[str, torch.Tensor]) -> None:
     """A weight no token reached (an idle expert) still takes part in every collective."""
@@ -29,7 +31,7 @@ def all_reduce_bucket(tensors: list[torch.Tensor], group) -> None:
     if group is None or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    wait(dist.all_reduce(flat, group=group, async_op=True))
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -75,7 +77,7 @@ def gather_flat_shards(working: dict[str, torch.Tensor], masters: dict[str, torc
         a, b = ranges[n]
         flat[offset + a:offset + b] = masters[n]
         offset += size
-    dist.all_reduce(flat, group=group)
+    wait(dist.all_reduce(flat, group=group, async_op=True))
     offset = 0
     for n, size in zip(names, sizes):
         working[n].data.copy_(flat[offset:offset + size].view_as(working[n]))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dynatrain.vps import abandon
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionStats,
@@ -41,7 +42,10 @@ class SwitchResult:
 def _share_scalars(prepared: PreparedSwitch, device: int, state: LocalState | None,
                    dev: torch.device) -> tuple[int, int, torch.Tensor]:
     """(step, data position, RNG state) of the old world, on every device of the switch."""
-    root = prepared.group_rank[min(prepared.plan.old.device_of)]
+    # The lowest old device that is still here (in a recovery, the lowest survivor: every
+    # survivor restored the same step, data position and RNG).
+    root_device = min(d for d in prepared.plan.old.device_of if d in prepared.group_rank)
+    root = prepared.group_rank[root_device]
     buf = torch.zeros(2 + _RNG_BYTES, dtype=torch.int64)
     if state is not None and prepared.group_rank[device] == root:
         buf[0], buf[1] = state.step, state.data_position
@@ -50,10 +54,10 @@ def _share_scalars(prepared: PreparedSwitch, device: int, state: LocalState | No
     opts.rootRank = root
     buf = buf.to(dev)
     try:
-        prepared.transition_group.broadcast([buf], opts).wait()
+        abandon.wait(prepared.transition_group.broadcast([buf], opts))
     except Exception as e:  # a peer died or timed out before the transfer began
         raise TransitionError(f"device {device}: sharing step/data position/RNG from device "
-                              f"{min(prepared.plan.old.device_of)} failed: {e}") from e
+                              f"{root_device} failed: {e}") from e
     buf = buf.cpu()
     return int(buf[0]), int(buf[1]), buf[2:].to(torch.uint8)
 
@@ -64,7 +68,7 @@ def _commit(prepared: PreparedSwitch, device: int, config: TransitionConfig) -> 
     done = torch.ones(1)
     try:
         work = prepared.transition_group.allreduce([done])
-        if work.wait(config.timeout) is False or int(done) != len(prepared.group_rank):
+        if abandon.wait(work, config.timeout) is False or int(done) != len(prepared.group_rank):
             raise TimeoutError("not every device completed")
     except Exception as e:
         raise TransitionError(f"device {device}: the switch to generation "
@@ -74,17 +78,21 @@ def _commit(prepared: PreparedSwitch, device: int, config: TransitionConfig) -> 
 
 def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConfig, device: int,
            *, config: TransitionConfig = TransitionConfig(),
-           torch_device: torch.device | None = None) -> SwitchResult:
+           torch_device: torch.device | None = None, restored: LocalState | None = None,
+           mirrored: dict | None = None) -> SwitchResult:
     """Switch this device to ``new_config.layout`` at the current step boundary.
 
     ``trainer_holder`` is a one-element list holding the old trainer (or None on a joiner); it
     is emptied here, so that the old state is not kept alive by the caller during the transfer.
+    In a recovery the old state is ``restored`` (a snapshot) instead of a live trainer's, and
+    ``mirrored`` holds the old local tensors of failed devices this device mirrors (see
+    :func:`~dynatrain.vps.transition.execute_transition`).
     """
     t0 = time.perf_counter()
     dev = torch_device or torch.device("cpu")
     trainer = trainer_holder.pop() if trainer_holder else None
-    state = trainer.local_state() if trainer is not None else None
-    del trainer
+    state = trainer.local_state() if trainer is not None else restored
+    del trainer, restored
     t1 = time.perf_counter()
     step, position, rng = _share_scalars(prepared, device, state, dev)
     old = {k: t for k, (t, _) in state.tensors.items()} if state is not None else {}
@@ -100,7 +108,8 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
             pieces[(rs.tensor.name, rs.state)] = rs.pieces
     new, stats = execute_transition(prepared.plan, device, old, new_shapes,
                                     prepared.transition_group, prepared.group_rank,
-                                    prepared.rounds, config, dev, old_pieces, pieces)
+                                    prepared.rounds, config, dev, old_pieces, pieces,
+                                    mirrored=mirrored)
     _commit(prepared, device, config)
     t3 = time.perf_counter()
     phases = {"release": t1 - t0, "scalars": t2 - t1, "transfer": t3 - t2}

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dynatrain.vps.abandon import wait
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -28,7 +30,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        wait(dist.all_reduce(grad, group=ctx.group, async_op=True))
         return grad, None
 
 
@@ -36,7 +38,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        wait(dist.all_reduce(x, group=group, async_op=True))
         return x
 
     @staticmethod
@@ -73,7 +75,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
         return F.cross_entropy(logits, targets)
     with torch.no_grad():
         top = logits.max(dim=-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True))
     shifted = logits - top.unsqueeze(-1)
     sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), group)
     local = targets - vocab_start

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dynatrain.vps.abandon import wait
 from dynatrain.vps.boxes import box_extents, box_numel
 from dynatrain.vps.layout import bind
 from dynatrain.vps.mapping import Piece, flat_shard_range, rank_shards, tp_box
@@ -182,10 +183,12 @@ class Trainer:
     def _activation_shape(self) -> tuple[int, int, int]:
         return (self.cfg.micro_batch_size, self.cfg.seq_len, self.model.hidden_size)
 
-    def train_step(self, signal: float = 0.0) -> StepResult:
+    def train_step(self, signal: float = 0.0, before_report=None) -> StepResult:
         """One optimizer step. ``signal`` is summed over every rank in the step's own loss
         all-reduce, so all ranks agree on it at the same step boundary at no extra cost (the
-        agent uses it to agree on when to switch)."""
+        agent uses it to agree on when to switch). ``before_report()`` runs just before that
+        final all-reduce: whatever it waits for has happened on every rank once any rank
+        completes the step (the redundancy waits for its mirrors there)."""
         t0 = time.perf_counter()
         if self.zero == 3:
             self._gather_zero3()
@@ -202,7 +205,7 @@ class Trainer:
                 x = stage.embed(inputs, w)
             else:
                 x = torch.empty(self._activation_shape(), dtype=self.dtype, device=self.device)
-                g.pp.recv([x], g.pp_index - 1, 0).wait()
+                wait(g.pp.recv([x], g.pp_index - 1, 0))
                 x.requires_grad_(True)
             y = stage.blocks(x, w)
             if g.last_stage:
@@ -210,17 +213,17 @@ class Trainer:
                 losses.append(loss.detach())
                 saved.append((x, loss * scale))
             else:
-                g.pp.send([y.detach().contiguous()], g.pp_index + 1, 0).wait()
+                wait(g.pp.send([y.detach().contiguous()], g.pp_index + 1, 0))
                 saved.append((x, y))
         for x, y in reversed(saved):                          # backward, reverse order
             if g.last_stage:
                 y.backward()
             else:
                 grad = torch.empty_like(y)
-                g.pp.recv([grad], g.pp_index + 1, 1).wait()
+                wait(g.pp.recv([grad], g.pp_index + 1, 1))
                 y.backward(grad)
             if not g.first_stage:
-                g.pp.send([x.grad.contiguous()], g.pp_index - 1, 1).wait()
+                wait(g.pp.send([x.grad.contiguous()], g.pp_index - 1, 1))
 
         fill_missing_grads(self.working)
         reduce_gradients(self.working, self.specs, g)
@@ -238,8 +241,10 @@ class Trainer:
         if g.last_stage and g.tp_index == 0:
             report[0] += torch.stack(losses).float().mean().double()
         report[1] = signal
+        if before_report is not None:
+            before_report()
         if g.world is not None:                               # every rank learns the loss
-            dist.all_reduce(report, group=g.world)
+            wait(dist.all_reduce(report, group=g.world, async_op=True))
         loss = float(report[0]) / self.lay.dp
         seconds = time.perf_counter() - t0
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,

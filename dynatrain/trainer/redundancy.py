@@ -1,0 +1,377 @@
+"""In-memory redundancy: recover from a lost device without a checkpoint.
+
+Every rank keeps host copies of its own training state at the last two step boundaries, and a
+*mirror* of one other rank's *unique* state (what no third rank holds: ZeRO shards of the
+optimizer, the stages of a pipeline without data parallelism) at the last two boundaries as
+well. When devices die, the survivors between them still hold every piece of some recent step:
+replicated state on its surviving replicas, unique state in the mirror of the dead rank's buddy.
+:func:`recovery_needs` and :func:`restore_step` say which step that is; :meth:`Redundancy.restore`
+and :meth:`Redundancy.restore_mirror` hand the state back for a switch to the survivors' layout.
+
+Costs are kept off the step's critical path. A snapshot is one synchronous copy into a
+preallocated host buffer per slot (the unique part first, so it leaves as one contiguous
+message); the mirror exchange is an asynchronous gloo send/recv that overlaps the next step and
+is only waited for just before that step's final all-reduce (:meth:`Redundancy.wait_mirror`).
+That placement gives the invariant recovery relies on: once any rank has finished step s+1,
+every mirror of step s has arrived everywhere, while own snapshots of s and s+1 are both kept.
+
+Buddies are a rotation over the ranks ordered by node, so the map is a permutation (everyone
+sends one message and receives one) and, whenever no node holds more than half the ranks, a
+rank's mirror lives on another node: losing a whole node never loses both copies. Every
+decision here reads only layout metadata, so all ranks derive the same pairs without talking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from dynatrain.vps.layout import BoundLayout, Layout
+from dynatrain.vps.mapping import RankShard, rank_shards, shard_pattern
+
+from .trainer import LocalState
+from .weights import TORCH_DTYPES
+
+_ALIGN = 64
+"""Byte alignment of every tensor in a slot buffer (any dtype view of it is then legal)."""
+_HEADER = _ALIGN
+"""A slot starts with its step (int64), so a receiver can check which step a mirror is of."""
+_TAG = 0x5EDA
+
+
+# -- pure metadata: who mirrors whom, what is unique -----------------------------------------
+def buddy_map(layout: Layout, ranks_per_node: int = 1) -> tuple[int, ...]:
+    """``buddy[r]``: the rank that mirrors rank ``r``'s unique state. A permutation.
+
+    Ranks are ordered by (node, device), node = device // ranks_per_node, and rotated by the
+    size of the largest node: two ranks that far apart in that order are on different nodes
+    whenever no node holds more than half the ranks. With one node (or a node holding every
+    rank) the rotation is by one, so each rank still mirrors to another device.
+    """
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
+    world = layout.world
+    devices = layout.device_of
+    order = sorted(range(world), key=lambda r: (devices[r] // ranks_per_node, devices[r]))
+    per_node: dict[int, int] = {}
+    for d in devices:
+        per_node[d // ranks_per_node] = per_node.get(d // ranks_per_node, 0) + 1
+    k = max(per_node.values())
+    if k >= world:
+        k = 1
+    buddy = [0] * world
+    for i, r in enumerate(order):
+        buddy[r] = order[(i + k) % world]
+    return tuple(buddy)
+
+
+def source_map(layout: Layout, ranks_per_node: int = 1) -> tuple[int, ...]:
+    """``source[r]``: the rank whose unique state rank ``r`` mirrors (the inverse of buddies)."""
+    buddy = buddy_map(layout, ranks_per_node)
+    source = [0] * len(buddy)
+    for r, b in enumerate(buddy):
+        source[b] = r
+    return tuple(source)
+
+
+def _replica_count(bound: BoundLayout, rs: RankShard) -> int:
+    """How many ranks of the layout hold exactly ``rs.pieces`` of this tensor's state."""
+    pattern = shard_pattern(rs.tensor, rs.state, bound.layout)
+    holders = next(len(s.holders) for s in pattern if s.pieces == rs.pieces)
+    # A stage's pattern depends only on (dp, tp, ep, zero), so every stage that holds the
+    # tensor (two for a tied embedding) holds the same shards.
+    return holders * len(bound.stages_of(rs.tensor.layer, rs.tensor.tied_to_last))
+
+
+def unique_shards(bound: BoundLayout, rank: int) -> list[RankShard]:
+    """What ``rank`` holds that no other rank holds (identical pieces count as a replica).
+
+    Empty shards (a ZeRO range of a tensor smaller than the group) are never unique: there is
+    nothing to lose.
+    """
+    if not 0 <= rank < bound.layout.world:
+        raise ValueError(f"rank={rank} is not a rank of {bound.layout.to_text()} "
+                         f"(world {bound.layout.world})")
+    return [rs for rs in rank_shards(bound, rank)
+            if rs.pieces and _replica_count(bound, rs) == 1]
+
+
+def recovery_needs(bound: BoundLayout, dead_devices, ranks_per_node: int = 1
+                   ) -> dict[int, int | None]:
+    """Which surviving device must supply the mirror of each dead device.
+
+    Returns {dead device: buddy device} for every dead device with unique state; the value is
+    None when that buddy died too, or when some replicated state of a dead device has no
+    surviving replica either: that state survives nowhere. Dead devices whose state all lives
+    on survivors need nothing and are left out.
+    """
+    lay = bound.layout
+    rank_of = {d: r for r, d in enumerate(lay.device_of)}
+    unknown = [d for d in dead_devices if d not in rank_of]
+    if unknown:
+        raise ValueError(f"dead device {unknown[0]} is not a device of {lay.to_text()} "
+                         f"(devices {list(lay.device_of)})")
+    dead = {rank_of[d] for d in dead_devices}
+    buddy = buddy_map(lay, ranks_per_node)
+    survivors_hold: set = set()
+    for r in range(lay.world):
+        if r not in dead:
+            survivors_hold.update((rs.tensor.name, rs.state, rs.pieces)
+                                  for rs in rank_shards(bound, r))
+    needs: dict[int, int | None] = {}
+    for r in sorted(dead):
+        lost = False
+        has_unique = False
+        for rs in rank_shards(bound, r):
+            if rs.pieces and _replica_count(bound, rs) == 1:
+                has_unique = True
+            elif rs.pieces and (rs.tensor.name, rs.state, rs.pieces) not in survivors_hold:
+                lost = True                        # every replica of it died as well
+        if lost:
+            needs[lay.device_of[r]] = None
+        elif has_unique:
+            needs[lay.device_of[r]] = None if buddy[r] in dead else lay.device_of[buddy[r]]
+    return needs
+
+
+def restore_step(own_steps: dict, mirror_steps: dict, needs: dict) -> int | None:
+    """The latest step whose state survives in full, or None.
+
+    ``own_steps``: surviving device -> steps of its own snapshots; ``mirror_steps``: surviving
+    device -> steps of its complete mirrors; ``needs``: dead device -> the surviving device
+    holding its mirror (None: no copy survives), as :func:`recovery_needs` gives it. The rule:
+    the largest step in every survivor's own steps and in the mirror steps of every needed
+    buddy.
+    """
+    if not own_steps:
+        return None
+    common = set.intersection(*(set(steps) for steps in own_steps.values()))
+    for holder in needs.values():
+        if holder is None or holder not in own_steps:
+            return None                            # its buddy died too: no mirror survives
+        common &= set(mirror_steps.get(holder, ()))
+    return max(common) if common else None
+
+
+# -- the per-rank store ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    key: tuple[str, str]
+    pieces: tuple
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+def _layout_entries(shards: list[RankShard], start: int) -> tuple[list[_Entry], int]:
+    """Entries of ``shards`` packed from byte ``start``, each aligned; and the end offset."""
+    out, off = [], start
+    for rs in shards:
+        dtype = TORCH_DTYPES[rs.tensor.dtype] if rs.state == "param" else torch.float32
+        numel = 1
+        for n in rs.local_shape:
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        out.append(_Entry((rs.tensor.name, rs.state), rs.pieces, tuple(rs.local_shape), dtype,
+                          off, nbytes))
+        off += -(-nbytes // _ALIGN) * _ALIGN
+    return out, off
+
+
+def _view(buf: torch.Tensor, e: _Entry) -> torch.Tensor:
+    return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+class _Slot:
+    """One host buffer and what it holds: a step, or nothing (``step is None``)."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.step: int | None = None
+        self.data_position = 0
+        self.rng: dict = {}
+        self.work = None                           # a recv still writing into this slot
+
+
+def _pick(slots: list[_Slot], step: int) -> _Slot:
+    """The slot for ``step``: the one already holding it, else the empty or older one."""
+    for s in slots:
+        if s.step == step:
+            return s
+    return min(slots, key=lambda s: -1 if s.step is None else s.step)
+
+
+class Redundancy:
+    """One rank's snapshots of its own state and its mirror of its source's unique state.
+
+    ``group``: a gloo process group whose rank i is layout rank i, best one of its own so the
+    mirror traffic never interleaves with the trainer's collectives. ``wait(work)`` is used for
+    every wait (callers pass one that gives up when the job is aborted).
+    """
+
+    def __init__(self, bound: BoundLayout, rank: int, group, *, mirror: bool = True,
+                 ranks_per_node: int = 1, wait=None):
+        lay = bound.layout
+        if not 0 <= rank < lay.world:
+            raise ValueError(f"rank={rank} is not a rank of {lay.to_text()} (world {lay.world})")
+        self.bound, self.rank, self.group = bound, rank, group
+        self._wait = wait or (lambda work: work.wait())
+        pin = torch.cuda.is_available()            # device-to-host copies want pinned memory
+
+        own = rank_shards(bound, rank)
+        unique = unique_shards(bound, rank)
+        unique_keys = {(rs.tensor.name, rs.state) for rs in unique}
+        # Unique state first, right after the header: it leaves as one contiguous message,
+        # packed exactly as the buddy packs its mirror slot (the sizes must match).
+        first, self._unique_end = _layout_entries(unique, _HEADER)
+        rest, total = _layout_entries(
+            [rs for rs in own if (rs.tensor.name, rs.state) not in unique_keys], self._unique_end)
+        self._entries = first + rest
+        self.unique = tuple((rs.tensor.name, rs.state) for rs in unique)
+        self._slots = [_Slot(total, pin), _Slot(total, pin)]
+
+        self.buddy: int | None = None
+        self.source: int | None = None
+        self._mirror_entries: list[_Entry] = []
+        self._mirror_slots: list[_Slot] = []
+        if mirror and lay.world > 1:
+            buddy = buddy_map(lay, ranks_per_node)[rank]
+            source = source_map(lay, ranks_per_node)[rank]
+            if unique:
+                self.buddy = buddy
+            src_unique = unique_shards(bound, source)
+            if src_unique:
+                self.source = source
+                self._mirror_entries, end = _layout_entries(src_unique, _HEADER)
+                self._mirror_slots = [_Slot(end, False), _Slot(end, False)]
+        if self.buddy is not None or self.source is not None:
+            if group is None:
+                raise ValueError(f"rank {rank} of {lay.to_text()} mirrors unique state, which "
+                                 "needs a process group over the layout's ranks; got None")
+            if group.size() != lay.world:
+                raise ValueError(f"rank {rank}: the group has {group.size()} ranks but layout "
+                                 f"{lay.to_text()} has {lay.world}")
+        self._send = None                          # (work, slot) of the send in flight
+        self._recv_slot: _Slot | None = None
+
+    # -- taking snapshots --------------------------------------------------------------------
+    def snapshot(self, state: LocalState) -> None:
+        """Keep ``state`` (taken at a step boundary) and start the mirror exchange of it."""
+        if not self._slots:
+            raise RuntimeError(f"rank {self.rank}: snapshot of step {state.step} after close()")
+        for e in self._entries:                    # check first: a bad state evicts nothing
+            if e.key not in state.tensors:
+                raise KeyError(f"rank {self.rank}: the state of step {state.step} lacks "
+                               f"{e.key[0]} ({e.key[1]}), which layout "
+                               f"{self.bound.layout.to_text()} gives this rank")
+            src = state.tensors[e.key][0]
+            if tuple(src.shape) != e.shape or src.dtype != e.dtype:
+                raise ValueError(f"rank {self.rank}: {e.key[0]} ({e.key[1]}) at step "
+                                 f"{state.step} is {tuple(src.shape)} {src.dtype}; the "
+                                 f"mapping says {e.shape} {e.dtype}")
+        self.wait_mirror()                         # normally finished during the last step
+        slot = _pick(self._slots, state.step)
+        slot.step = None                           # invalid until the copy is whole
+        with torch.no_grad():
+            for e in self._entries:
+                _view(slot.buf, e).copy_(state.tensors[e.key][0].detach())
+        slot.buf[:8].view(torch.int64)[0] = state.step
+        slot.data_position = state.data_position
+        slot.rng = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in state.rng.items()}
+        slot.step = state.step
+
+        if self.buddy is not None:
+            work = self.group.send([slot.buf[:self._unique_end]], self.buddy, _TAG)
+            self._send = (work, slot)
+        if self.source is not None:
+            mslot = _pick(self._mirror_slots, state.step)
+            # The older mirror is overwritten from now on; it counts again once complete.
+            mslot.step = state.step
+            mslot.work = self.group.recv([mslot.buf], self.source, _TAG)
+            self._recv_slot = mslot
+
+    def wait_mirror(self) -> None:
+        """Wait for the exchange in flight (call it before the next step's final all-reduce:
+        a rank that finished that step then knows every mirror of this one arrived)."""
+        if self._send is not None:
+            work, _ = self._send
+            self._send = None
+            self._wait(work)
+        self._finish_recv()
+
+    def _finish_recv(self) -> None:
+        if self._recv_slot is not None:
+            slot, self._recv_slot = self._recv_slot, None
+            work, slot.work = slot.work, None
+            try:
+                self._wait(work)
+            except BaseException:
+                slot.step = None                  # half written: not a mirror of anything
+                raise
+            self._check_mirror(slot)
+
+    def _check_mirror(self, slot: _Slot) -> None:
+        got = int(slot.buf[:8].view(torch.int64)[0])
+        if got != slot.step:
+            bad, slot.step = slot.step, None
+            raise RuntimeError(f"rank {self.rank}: the mirror from rank {self.source} is of "
+                               f"step {got}, but this rank snapshotted step {bad}; ranks must "
+                               "snapshot at the same step boundaries")
+
+    # -- what survives -----------------------------------------------------------------------
+    def holdings(self) -> tuple[list[int], list[int]]:
+        """(steps of own snapshots, steps of complete mirrors), ascending. Never blocks.
+
+        A mirror still being received does not count. Gloo's send/recv works only report
+        completion once waited (measured on torch 2.15: ``is_completed()`` stays False after the
+        data has arrived), so under gloo the newest mirror counts from :meth:`wait_mirror` on;
+        that is conservative, and the older mirror is what recovery needs in that window.
+        """
+        own = sorted(s.step for s in self._slots if s.step is not None)
+        slot = self._recv_slot
+        if slot is not None and slot.work is not None and slot.work.is_completed():
+            # Completed, so this returns at once. A failed recv (its source died) has already
+            # marked its slot invalid, and holdings are asked for exactly after failures.
+            with contextlib.suppress(RuntimeError):
+                self._finish_recv()
+        mirrors = sorted(s.step for s in self._mirror_slots
+                         if s.step is not None and s.work is None)
+        return own, mirrors
+
+    def restore(self, step: int) -> LocalState:
+        """This rank's own state at ``step``, cloned (a trainer built from it mutates it)."""
+        slot = next((s for s in self._slots if s.step == step), None)
+        if slot is None:
+            raise KeyError(f"rank {self.rank} holds no snapshot of step {step}; it holds "
+                           f"{self.holdings()[0]}")
+        tensors = {e.key: (_view(slot.buf, e).clone(), e.pieces) for e in self._entries}
+        rng = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in slot.rng.items()}
+        return LocalState(tensors, step, slot.data_position, rng)
+
+    def restore_mirror(self, step: int) -> dict[tuple[str, str], torch.Tensor]:
+        """The source rank's unique state at ``step``, cloned: {(name, state): tensor}."""
+        complete = self.holdings()[1]
+        slot = next((s for s in self._mirror_slots if s.step == step and s.work is None), None)
+        if slot is None:
+            what = ("mirrors nothing (its source has no unique state, or mirror=False)"
+                    if self.source is None
+                    else f"holds complete mirrors of rank {self.source} at steps {complete}")
+            raise KeyError(f"rank {self.rank} holds no complete mirror of step {step}; "
+                           f"it {what}")
+        return {e.key: _view(slot.buf, e).clone() for e in self._mirror_entries}
+
+    def memory_bytes(self) -> int:
+        """Host bytes held: both own snapshot slots and both mirror slots."""
+        return sum(s.buf.numel() for s in self._slots + self._mirror_slots)
+
+    def close(self) -> None:
+        """Finish the exchange in flight, then drop every buffer."""
+        try:
+            self.wait_mirror()                     # gloo may still be writing into a slot
+        finally:
+            self._slots, self._mirror_slots = [], []
+            self._send, self._recv_slot = None, None
