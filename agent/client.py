@@ -100,13 +100,20 @@ class AgentClient:
     def prepare(self, generation: int, layout_text: str, devices: Sequence[int],
                 rendezvous: str, devices_per_node: int = 0, staging_bytes: int = 0,
                 timeout_s: float = 0, *, reason: str = "", old_layout: str = "",
-                old_devices: Sequence[int] = ()) -> agent_pb2.PrepareResponse:
-        """Start preparing ``generation``; returns once the agent accepted it."""
+                old_devices: Sequence[int] = (), recover: bool = False,
+                restore_step: int = 0, failed_devices: Sequence[int] = (),
+                proxies: dict[int, int] | None = None,
+                checkpoint: str = "") -> agent_pb2.PrepareResponse:
+        """Start preparing ``generation``; returns once the agent accepted it. ``recover``
+        (with the failed devices, the snapshot step and the mirrors' proxies) recovers from a
+        failure; ``checkpoint`` starts the generation from a DCP checkpoint."""
         return self._call("Prepare", lambda: agent_pb2.PrepareRequest(
             generation=generation, layout=layout_text, devices=list(devices),
             rendezvous=rendezvous, devices_per_node=devices_per_node,
             staging_bytes=staging_bytes, timeout_seconds=timeout_s, reason=reason,
-            old_layout=old_layout, old_devices=list(old_devices)), self.timeout_s)
+            old_layout=old_layout, old_devices=list(old_devices), recover=recover,
+            restore_step=restore_step, failed_devices=list(failed_devices),
+            proxies=dict(proxies or {}), checkpoint=checkpoint), self.timeout_s)
 
     def commit(self, generation: int, at_step: int = 0,
                timeout_s: float = 0) -> agent_pb2.CommitResponse:

@@ -55,7 +55,7 @@ PHASES = ("prepare", "pause", "transfer")
 """The phases a switch's duration is reported in."""
 RESULTS = ("success", "aborted", "failed")
 """The outcomes of a switch."""
-REASONS = ("preemption", "scale-up", "better-layout", "requested")
+REASONS = ("preemption", "scale-up", "better-layout", "requested", "failure")
 """Why the controller's policy switches (``reason``); their series exist from the start, so
 that rate() sees a job's first switch of each kind."""
 

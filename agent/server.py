@@ -109,8 +109,8 @@ class Control(Protocol):
 
     def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
                 rendezvous: str, devices_per_node: int, staging_bytes: int,
-                timeout_s: float, *, reason: str = "", old_layout: Layout | None = None
-                ) -> None:
+                timeout_s: float, *, reason: str = "", old_layout: Layout | None = None,
+                recovery: Recovery | None = None, checkpoint: str = "") -> None:
         """Start preparing ``generation`` (newer than any this agent has seen) in the background.
 
         Must return at once; Status reports ``prepared_ready`` (or ``prepared_error``) later.
@@ -118,6 +118,9 @@ class Control(Protocol):
         unique), ``rendezvous`` is ``host:port``, ``timeout_s`` bounds every wait of the
         generation's groups. ``reason`` labels the switch's metrics; ``old_layout`` (its
         devices bound) is the world the switch starts from, None for the job's first one.
+        ``recovery`` (with ``old_layout``) abandons the running generation and starts from
+        the in-memory snapshots; ``checkpoint`` (without ``old_layout``) starts from a DCP
+        checkpoint.
         """
         ...
 
@@ -190,6 +193,17 @@ class PrepareArgs:
     reason: str = ""
     old_layout: Layout | None = None
     """With its devices; None for the job's first generation."""
+    recovery: Recovery | None = None
+    checkpoint: str = ""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A Prepare that recovers from an unplanned failure (see the proto's PrepareRequest)."""
+
+    restore_step: int
+    failed: frozenset[int]
+    proxies: dict[int, int]
 
 
 def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
@@ -231,13 +245,43 @@ def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
             old = old.with_devices(old_devices)
     elif old_devices:
         problems.append(f"old_devices {list(old_devices)} given without old_layout")
+    recovery = _check_recovery(req, old_devices, devices, problems)
+    if req.checkpoint and req.old_layout:
+        problems.append(f"checkpoint {req.checkpoint!r} given with old_layout "
+                        f"{req.old_layout!r}: a generation starts from a checkpoint or from "
+                        "the old world's state, not both")
     if problems:
         raise InvalidRequest("; ".join(problems))
     return PrepareArgs(
         generation=req.generation, layout=layout, devices=devices, rendezvous=req.rendezvous,
         devices_per_node=req.devices_per_node or DEFAULT_DEVICES_PER_NODE,
         staging_bytes=req.staging_bytes or DEFAULT_STAGING_BYTES, timeout_s=timeout_s,
-        reason=req.reason, old_layout=old)
+        reason=req.reason, old_layout=old, recovery=recovery, checkpoint=req.checkpoint)
+
+
+def _check_recovery(req, old_devices: tuple[int, ...], devices: tuple[int, ...],
+                    problems: list[str]) -> Recovery | None:
+    failed = frozenset(req.failed_devices)
+    proxies = dict(req.proxies)
+    if not req.recover:
+        if failed or proxies or req.restore_step:
+            problems.append("failed_devices, proxies and restore_step need recover=true")
+        return None
+    if not req.old_layout:
+        problems.append("recover=true needs old_layout (the generation that failed)")
+    if bad := sorted(failed - set(old_devices)):
+        problems.append(f"failed_devices {bad} are not devices of old_layout "
+                        f"{list(old_devices)}")
+    if bad := sorted(failed & set(devices)):
+        problems.append(f"failed_devices {bad} cannot be devices of the new layout")
+    for dead, proxy in sorted(proxies.items()):
+        if dead not in failed:
+            problems.append(f"proxies names device {dead}, which is not in failed_devices "
+                            f"{sorted(failed)}")
+        if proxy in failed or proxy not in set(old_devices) | set(devices):
+            problems.append(f"proxy {proxy} of device {dead} must be a live device of the "
+                            "old or new layout")
+    return Recovery(req.restore_step, failed, proxies)
 
 
 def check_commit(req: agent_pb2.CommitRequest) -> tuple[int, int, float]:
@@ -303,7 +347,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             a = check_prepare(request)
             self.control.prepare(a.generation, a.layout, a.devices, a.rendezvous,
                                  a.devices_per_node, a.staging_bytes, a.timeout_s,
-                                 reason=a.reason, old_layout=a.old_layout)
+                                 reason=a.reason, old_layout=a.old_layout,
+                                 recovery=a.recovery, checkpoint=a.checkpoint)
             return agent_pb2.PrepareResponse(generation=a.generation)
         return self._run("Prepare", context, call, agent_pb2.PrepareResponse)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -38,15 +39,19 @@ import torch
 import torch.distributed as dist
 
 from dynatrain.controller.job import JobSpec, load_job
+from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.groups import build_groups
+from dynatrain.trainer.redundancy import Redundancy
 from dynatrain.trainer.switch import switch
 from dynatrain.trainer.trainer import Trainer, warm_up
+from dynatrain.vps import abandon
 from dynatrain.vps.generations import DeviceManager, PreparedSwitch
 from dynatrain.vps.layout import Layout, bind
 from dynatrain.vps.transition import TransitionConfig
 
 from .metrics import REASONS, Metrics
-from .server import CommitTimeout, InvalidRequest, PreconditionFailed, SwitchAborted, serve
+from .server import (CommitTimeout, InvalidRequest, PreconditionFailed, Recovery,
+                     SwitchAborted, serve)
 from .v1 import agent_pb2 as pb
 
 State = pb.StatusResponse.State
@@ -64,6 +69,10 @@ class _Pending:
     future: Future
     timeout_s: float
     staging_bytes: int
+    devices_per_node: int = 1
+    old_layout: Layout | None = None
+    recovery: Recovery | None = None
+    checkpoint: str = ""
     aborted: bool = False
     commit_at: int | None = None
     """None until committed; 0 = agreed boundary; else the step counter to switch at."""
@@ -74,7 +83,8 @@ class Worker:
     """The training loop and the agent's :class:`~dynatrain.agent.server.Control`."""
 
     def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
-                 metrics: Metrics | None = None, torch_device: torch.device | None = None):
+                 metrics: Metrics | None = None, torch_device: torch.device | None = None,
+                 checkpoint_dir: str = ""):
         self.job, self.device, self.backend = job, device, backend
         self.torch_device = torch_device or torch.device("cpu")
         self.metrics = metrics or Metrics(reasons=REASONS)
@@ -95,21 +105,43 @@ class Worker:
         self.stopping = False
         self.left_read = threading.Event()
         self.tokens_per_second = 0.0
+        self.redundancy: Redundancy | None = None
+        self.checkpoint_dir = checkpoint_dir or job.recovery.checkpoint_dir
+        self.checkpoint: tuple[str, int] | None = None
+        self._graveyard: list = []
+        """Groups of abandoned generations: never used again, never destroyed (tearing down
+        a gloo group with a wait still stuck in it can block)."""
 
     # -- the Control interface (agent threads) ----------------------------------------------
     def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
                 rendezvous: str, devices_per_node: int, staging_bytes: int, timeout_s: float,
-                reason: str = "", old_layout: Layout | None = None) -> None:
+                reason: str = "", old_layout: Layout | None = None,
+                recovery: Recovery | None = None, checkpoint: str = "") -> None:
         """``old_layout`` (with its devices) is the world the switch starts from; None for the
-        job's first generation. Joiners learn it here; members check it against their own."""
+        job's first generation. Joiners learn it here; members check it against their own.
+        A ``recovery`` abandons the running generation at once (its collectives are cut short)
+        and starts from the in-memory snapshots of ``recovery.restore_step``."""
         layout = layout.with_devices(devices)
         try:
             self.job.train_config(layout)          # fits the model and the batch?
         except ValueError as e:
             raise InvalidRequest(f"layout {layout.to_text()!r} cannot run this job: {e}"
                                  ) from None
+        if recovery is not None:
+            self._check_restorable(recovery, old_layout)
+            # Cut the failed generation's collectives short now: the training loop (or a
+            # transfer in flight) raises and the worker waits, INTERRUPTED, for this switch.
+            abandon.abandon(f"generation {self.generation} abandoned: devices "
+                            f"{sorted(recovery.failed)} failed ({reason or 'recovery'})")
+            self._drop_uncommitted()
         with self.lock:
-            if self.state in (State.LEFT, State.FAILED, State.SWITCHING, State.FINISHED):
+            if recovery is not None:      # a switch in flight fails on the abandon: let it end
+                deadline = time.monotonic() + timeout_s
+                while (self.pending is not None and self.pending.commit_at is not None
+                       and time.monotonic() < deadline):
+                    self.wake.wait(0.05)
+            bad = (State.LEFT, State.FAILED, State.FINISHED)
+            if self.state in bad or (self.state == State.SWITCHING and recovery is None):
                 raise PreconditionFailed(f"device {self.device} is "
                                          f"{State.Name(self.state)}; it cannot prepare")
             if generation <= max(self.generation, self.highest_prepared):
@@ -119,11 +151,11 @@ class Worker:
             if self.pending is not None and not self.pending.aborted:
                 raise PreconditionFailed(f"generation {self.pending.generation} is still "
                                          "prepared; abort it first")
-            if self.layout is None and self.device not in devices:
+            if (self.layout is None or checkpoint) and self.device not in devices:
                 raise PreconditionFailed(f"device {self.device} holds no state and is not in "
                                          f"the new layout's devices {list(devices)}")
             mine = _describe(self.layout)
-            if self.layout is not None and _describe(old_layout) != mine:
+            if self.layout is not None and not checkpoint and _describe(old_layout) != mine:
                 raise PreconditionFailed(f"the switch starts from {_describe(old_layout)} but "
                                          f"device {self.device} runs {mine}")
             old = old_layout
@@ -143,13 +175,43 @@ class Worker:
         model = self.job.model
         new_bound = bind(layout, model)
 
+        mirror = self.job.recovery.mirror and layout.world > 1
+
         def build_extra(rank):
-            return build_groups(new_bound, rank, mgr.group_factory(generation, layout))
+            groups = build_groups(new_bound, rank, mgr.group_factory(generation, layout))
+            # Mirrors travel on a group of their own, beside the training's collectives.
+            return groups, (mgr.build_group(generation, "mirror", list(layout.device_of))
+                            if mirror else None)
 
         future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
-                             build_extra=build_extra, gpus_per_node=devices_per_node)
+                             build_extra=build_extra, gpus_per_node=devices_per_node,
+                             dead=recovery.failed if recovery else frozenset(),
+                             proxies=recovery.proxies if recovery else None)
         with self.lock:
-            self.pending = _Pending(generation, layout, reason, future, timeout_s, staging_bytes)
+            self.pending = _Pending(generation, layout, reason, future, timeout_s, staging_bytes,
+                                    devices_per_node, old, recovery, checkpoint)
+
+    def _check_restorable(self, recovery: Recovery, old_layout: Layout | None) -> None:
+        """A recovery can only start from snapshots and mirrors this device really holds."""
+        if old_layout is None or self.device not in old_layout.device_of:
+            return                                    # holds nothing of the old world
+        r = self.redundancy
+        own, mirrors = r.holdings() if r is not None else ([], [])
+        if recovery.restore_step not in own:
+            raise PreconditionFailed(f"device {self.device} holds snapshots of steps {own}, "
+                                     f"not of step {recovery.restore_step}")
+        for dead, proxy in recovery.proxies.items():
+            if proxy == self.device and recovery.restore_step not in mirrors:
+                raise PreconditionFailed(
+                    f"device {self.device} mirrors steps {mirrors} of device {dead}, not step "
+                    f"{recovery.restore_step}")
+
+    def _drop_uncommitted(self) -> None:
+        with self.lock:
+            p = self.pending
+            if p is not None and p.commit_at is None:
+                p.aborted = True
+                self.pending = None
 
     def commit(self, generation: int, at_step: int, timeout_s: float) -> pb.CommitResponse:
         """Switch at a step boundary; a repeated Commit (a restarted controller) waits for the
@@ -213,6 +275,16 @@ class Worker:
                 if p.future.done() and p.future.exception() is not None:
                     out.prepared_error = str(p.future.exception())
             out.steps.extend(r for r in self.records if r.step > since_step)
+            r = self.redundancy
+            out.mirror_of = -1
+            if r is not None:
+                own, mirrors = r.holdings()
+                out.snapshot_steps.extend(own)
+                out.mirror_steps.extend(mirrors)
+                if r.source is not None and self.layout is not None:
+                    out.mirror_of = self.layout.device_of[r.source]
+            if self.checkpoint is not None:
+                out.checkpoint, out.checkpoint_step = self.checkpoint
             if self.state == State.LEFT:
                 self.left_read.set()
             return out
@@ -239,7 +311,13 @@ class Worker:
                         pass
                     return 0
                 continue
-            result = self.trainer.train_step(signal_value)
+            try:
+                result = self.trainer.train_step(
+                    signal_value, self.redundancy.wait_mirror if self.redundancy else None)
+                self._after_step()
+            except Exception as e:                   # a peer died, or we were told so
+                self._interrupt(e)
+                continue
             self._record(result)
             with self.lock:
                 if self.trainer.step >= self.job.training.steps:
@@ -250,6 +328,36 @@ class Worker:
                         and round(result.signal) == world):
                     p.commit_at = -1          # agreed: switch at this boundary
                     self.wake.notify_all()
+
+    def _after_step(self) -> None:
+        """Redundancy at the step boundary: the in-memory snapshot (and its mirror to the
+        buddy), and the periodic checkpoint when one is due."""
+        t = self.trainer
+        if self.redundancy is not None:
+            self.redundancy.snapshot(t.local_state())
+        if str(t.step) in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(","):
+            _dump_state(t, f"step{t.step}")
+        every = self.job.recovery.checkpoint_interval
+        if every and self.checkpoint_dir and t.step % every == 0:
+            g = t.g
+            saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
+                                    group=g.world, group_rank=g.rank,
+                                    group_size=self.layout.world,
+                                    keep=self.job.recovery.checkpoint_keep)
+            with self.lock:
+                self.checkpoint = (saved.path, t.step)
+
+    def _interrupt(self, error: Exception) -> None:
+        """The running generation failed under this device: drop the live trainer (its state
+        may be half-way through a step), keep the snapshots, wait for a recovery Prepare."""
+        with self.lock:
+            trainer, self.trainer = self.trainer, None
+            if trainer is not None:
+                self._graveyard.append(trainer.g)
+            self.state = State.INTERRUPTED
+            self.error = f"generation {self.generation} interrupted: {error}"
+            self.wake.notify_all()
+        print(f"device {self.device}: {self.error}", flush=True)
 
     def _due(self) -> _Pending | None:
         """The committed generation to switch to now, if any (lock held)."""
@@ -267,31 +375,57 @@ class Worker:
     def _switch(self, p: _Pending) -> None:
         with self.lock:
             self.state = State.SWITCHING
+        if p.recovery is not None:
+            abandon.reset()        # we are out of the failed generation's collectives now
         prepared: PreparedSwitch = p.future.result()
+        groups, mirror_group = prepared.extra if prepared.extra is not None else (None, None)
+        prepared = dataclasses.replace(prepared, extra=groups)   # what the trainer is built on
         new_cfg = self.job.train_config(p.layout)
         old_layout = self.layout
         step_before = self.trainer.step if self.trainer is not None else 0
         t0 = time.perf_counter()
         try:
             if prepared.plan is None:                 # the first generation
-                trainer = Trainer(new_cfg, prepared.extra, device=self.torch_device)
+                state = None
+                if p.checkpoint:                      # ... from a checkpoint, any layout
+                    state = load_state(bind(p.layout, self.job.model), prepared.new_rank,
+                                       p.checkpoint, device=self.torch_device)
+                trainer = Trainer(new_cfg, groups, device=self.torch_device, state=state)
                 pause = time.perf_counter() - t0
                 phases = {"rebuild": pause}
                 sent = received = local = 0
             else:
                 holder = [self.trainer] if self.trainer is not None else []
                 self.trainer = None
+                restored, mirrored = self._restore(p)
                 res = switch(holder, prepared, new_cfg, self.device,
                              config=TransitionConfig(staging_bytes=p.staging_bytes,
                                                      timeout=timedelta(seconds=p.timeout_s)),
-                             torch_device=self.torch_device)
+                             torch_device=self.torch_device, restored=restored,
+                             mirrored=mirrored)
                 trainer, pause, phases = res.trainer, res.pause_seconds, dict(res.phases)
                 sent, received = res.transfer.bytes_sent, res.transfer.bytes_received
                 local = res.transfer.bytes_copied
-        except Exception as e:                        # TransitionError and anything else
+            redundancy = None
+            if trainer is not None:
+                # Own snapshots always (a failure rolls every survivor back to one step);
+                # mirrors to the buddy when the job asks for them.
+                redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
+                                        mirror_group, mirror=mirror_group is not None,
+                                        ranks_per_node=p.devices_per_node, wait=abandon.wait)
+                redundancy.snapshot(trainer.local_state())   # a failure now restores here
+        except Exception as e:      # TransitionError, GenerationAbandoned, anything else
+            # The switch did not happen here; the snapshots taken before it still hold (a
+            # failed switch is recovered like a failed step).
             with self.lock:
-                self.state, self.error, self.trainer = State.FAILED, str(e), None
-                self.pending = None
+                self.trainer = None
+                if self.pending is p:
+                    self.pending = None
+                holds_state = self.redundancy is not None or old_layout is None
+                self.state = State.INTERRUPTED if holds_state else State.FAILED
+                self.error = f"switch to generation {p.generation} failed: {e}"
+                self.wake.notify_all()
+            print(f"device {self.device}: {self.error}", flush=True)
             self.metrics.observe_switch(p.reason or "unknown", "failed", {}, 0)
             p.reply.set_exception(SwitchAborted(str(e)))
             return
@@ -305,9 +439,17 @@ class Worker:
                                     {"prepare": prepared.seconds, "pause": pause,
                                      "transfer": phases.get("transfer", 0.0)}, sent)
         with self.lock:
+            old_redundancy, self.redundancy = self.redundancy, redundancy
             self.trainer = trainer
             self.generation = p.generation
             self.pending = None
+            self.error = ""
+            if p.recovery is not None or p.checkpoint:
+                # Steps after the restored one were lost with the failed generation; they are
+                # trained again (and reported again) from here.
+                kept = [r for r in self.records if r.step <= step]
+                self.records.clear()
+                self.records.extend(kept)
             self.last_switch = pb.SwitchReport(
                 generation=p.generation, from_layout=old_layout.to_text() if old_layout else "",
                 to_layout=p.layout.to_text(), step=step, pause_seconds=pause,
@@ -320,23 +462,40 @@ class Worker:
                 self.state = State.FINISHED if done else State.TRAINING
                 self.metrics.set_layout(p.layout)
             self.metrics.set_generation(p.generation)
+            self.wake.notify_all()
+        if old_redundancy is not None:
+            old_redundancy.close()
+        if trainer is not None and (p.recovery is not None or p.checkpoint):
+            _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)
+
+    def _restore(self, p: _Pending):
+        """A recovery's old state: this device's snapshot of the restore step (if it was in
+        the old world) and the mirrors it holds for failed devices (if it is their proxy)."""
+        rec = p.recovery
+        if rec is None or self.redundancy is None:
+            return None, None
+        restored = None
+        if p.old_layout is not None and self.device in p.old_layout.device_of:
+            restored = self.redundancy.restore(rec.restore_step)
+        mirrored = {dead: self.redundancy.restore_mirror(rec.restore_step)
+                    for dead, proxy in rec.proxies.items() if proxy == self.device}
+        return restored, mirrored or None
 
     def _record(self, r) -> None:
         rec = pb.StepRecord(step=r.step, loss=r.loss, seconds=r.seconds,
                             tokens_per_second=r.tokens_per_second, generation=self.generation,
-                            sample_begin=r.samples[0], sample_end=r.samples[1])
+                            sample_begin=r.samples[0], sample_end=r.samples[1],
+                            end_time=time.time())
         with self.lock:
             self.records.append(rec)
             self.tokens_per_second = r.tokens_per_second
         self.metrics.observe_step(r.seconds, r.tokens_per_second, r.step)
 
     def _connect(self, rendezvous: str, timeout_s: float) -> None:
-        """Connect to the rendezvous store; generations share it until its address changes."""
-        if self.store is not None and rendezvous == self.rendezvous:
-            return
-        # A new address (a restarted controller hosts a new store): groups built earlier
-        # keep their connections; only the next generation's rendezvous uses the new store.
+        """A fresh connection to the rendezvous store for each generation: a generation
+        whose preparation is stuck (a member died while its groups were being built) keeps
+        its connection busy until its timeout, and must not hold up the next one."""
         host, port = rendezvous.rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False,
                                    timeout=timedelta(seconds=timeout_s))
@@ -361,6 +520,22 @@ def _watch_parent(pid: int, worker: Worker) -> None:
         os._exit(1)                   # the training loop did not stop in time (a hung wait)
 
     threading.Thread(target=watch, name="dynatrain-parent-watch", daemon=True).start()
+
+
+def _dump_state(trainer: Trainer, tag: str) -> None:
+    """For ``dynatrain bench chaos``: with DYNATRAIN_DUMP_RESTORED=DIR, write the state a
+    recovery restored (``DIR/gen<g>-rank<r>.pt``), or the state after a step named in
+    DYNATRAIN_DUMP_STEPS (``DIR/step<s>-rank<r>.pt``), to be compared across runs."""
+    out = os.environ.get("DYNATRAIN_DUMP_RESTORED")
+    if not out:
+        return
+    st = trainer.local_state()
+    cpu = {k: (t.detach().cpu().clone(), pieces) for k, (t, pieces) in st.tensors.items()}
+    path = Path(out) / f"{tag}-rank{trainer.g.rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"tensors": cpu, "step": st.step, "data_position": st.data_position,
+                "layout": trainer.lay.to_text(), "world": trainer.lay.world}, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
 
 
 def _describe(layout: Layout | None) -> str:
@@ -388,13 +563,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the local runner) is gone")
+    parser.add_argument("--checkpoint-dir", default="",
+                        help="where periodic checkpoints go (default: the job's "
+                             "spec.recovery.checkpoint.dir)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     job = load_job(args.job)
     metrics = Metrics(reasons=REASONS)
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
-    worker = Worker(job, args.device, metrics=metrics)
+    worker = Worker(job, args.device, metrics=metrics, checkpoint_dir=args.checkpoint_dir)
     server = serve(worker, host=args.host, port=args.agent_port, token_file=args.token_file,
                    insecure=args.insecure)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())

@@ -52,6 +52,9 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench_switch)
+    from dynatrain import bench_chaos
+
+    bench_chaos.register(bsub)
 
 
 def run_bench_switch(args) -> int:

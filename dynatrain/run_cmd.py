@@ -52,6 +52,13 @@ def register(sub) -> None:
                    help="seconds between voluntary switches (default 10)")
     p.add_argument("--margin", type=float, default=1.10,
                    help="estimated speedup a voluntary switch needs (default 1.10)")
+    p.add_argument("--resume-from", metavar="CHECKPOINT",
+                   help="start from this checkpoint directory (a step-NNNNNNNN dir written "
+                        "under any layout; overrides spec.recovery.resumeFrom)")
+    p.add_argument("--restart-on-failure", action="store_true",
+                   help="recover from a worker that dies the old way, for comparison: stop "
+                        "every worker and start fresh ones from the newest checkpoint "
+                        "(default: recover live from the in-memory copies)")
     p.set_defaults(func=run_job)
 
     # Listed for --help; `dynatrain worker ...` is dispatched before parsing (see cli.main).
@@ -87,10 +94,26 @@ def run_job(args) -> int:
     if args.margin < 1.0 or args.cooldown < 0:
         raise UsageError(f"--margin={args.margin} must be >= 1 and --cooldown={args.cooldown} "
                          ">= 0")
+    resume = args.resume_from or job.recovery.resume_from
+    if resume:
+        from dynatrain.trainer.checkpoint import latest_checkpoint
+
+        if not (Path(resume) / ".metadata").is_file():
+            found = latest_checkpoint(resume) if Path(resume).is_dir() else None
+            if found is None:
+                raise UsageError(f"--resume-from={resume!r} is not a checkpoint (a directory "
+                                 "with DCP .metadata) nor a directory holding step-* "
+                                 "checkpoints")
+            resume = found[0]
+    if args.restart_on_failure and not job.recovery.checkpoint_interval:
+        raise UsageError("--restart-on-failure needs checkpoints: set "
+                         "spec.checkpoint.intervalSteps in the job")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dynatrain-"))
     runner = LocalRunner(job, args.job, scenario, run_dir=run_dir, profile=profile,
                          policy=Policy(margin=args.margin, cooldown_s=args.cooldown),
-                         metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd)
+                         metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd,
+                         resume_from=resume or "",
+                         restart_on_failure=args.restart_on_failure)
     try:
         result = runner.run()
     except JobFailed as e:
@@ -112,5 +135,11 @@ def _print_summary(r) -> None:
         for s in r.switches:
             print(f"  {s.step:>5}  {s.reason:<13} {s.from_layout:<22} {s.to_layout:<22} "
                   f"{s.pause_seconds * 1e3:7.1f}ms {s.bytes / 2**20:7.2f}MiB")
+    for rec in r.recoveries:
+        lost = int(rec.phases.get("lost_steps", 0))
+        where = "checkpoint" if rec.phases.get("from_checkpoint") else "memory"
+        print(f"  recovery at step {rec.step} from {where}: {rec.from_layout} -> "
+              f"{rec.to_layout}, {rec.phases.get('recovery_seconds', 0):.2f} s, "
+              f"{lost} step(s) trained again")
     verdict = "each exactly once" if r.samples_exactly_once else "NOT exactly once"
     print(f"  data: {r.samples_consumed} samples consumed, {verdict}")

@@ -170,6 +170,16 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int) -> dict:
     args = ["--job", JOB_FILE, "--device", str(device), "--host", "$(POD_IP)",
             "--agent-port", str(agent_port), "--metrics-port", str(METRICS_PORT),
             "--token-file", TOKEN_FILE, *spec.get("args", [])]
+    mounts = [{"name": "job", "mountPath": "/etc/dynatrain", "readOnly": True},
+              {"name": "token", "mountPath": "/var/run/secrets/dynatrain", "readOnly": True}]
+    volumes = [{"name": "job", "configMap": {"name": names(n)["configmap"]}},
+               {"name": "token", "secret": {"secretName": secret,
+                                            "items": [{"key": "token", "path": "token"}]}}]
+    if spec.get("checkpoint"):       # the last-resort checkpoints (every worker writes its part)
+        mounts.append({"name": "checkpoints",
+                       "mountPath": spec["checkpoint"].get("path", "/checkpoints")})
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {
+            "claimName": spec["checkpoint"]["claimName"]}})
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": f"{n}-worker-{device}",
@@ -193,16 +203,10 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int) -> dict:
                 "ports": [{"name": "agent", "containerPort": agent_port},
                           {"name": "metrics", "containerPort": METRICS_PORT}],
                 "resources": {"limits": limits, "requests": requests},
-                "volumeMounts": [{"name": "job", "mountPath": "/etc/dynatrain",
-                                  "readOnly": True},
-                                 {"name": "token", "mountPath": "/var/run/secrets/dynatrain",
-                                  "readOnly": True}],
+                "volumeMounts": mounts,
                 "readinessProbe": {"grpc": {"port": agent_port}, "periodSeconds": 5},
             }],
-            "volumes": [{"name": "job", "configMap": {"name": names(n)["configmap"]}},
-                        {"name": "token", "secret": {"secretName": secret,
-                                                     "items": [{"key": "token",
-                                                                "path": "token"}]}}],
+            "volumes": volumes,
             "tolerations": [],
         },
     }

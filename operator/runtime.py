@@ -133,7 +133,12 @@ class JobRuntime:
         for d in list(c.clients):                       # pods that are gone
             if d not in workers:
                 self.log(f"worker {d}: pod gone")
-                c.remove_device(d)
+                if d in c.members and d not in self.left:  # without notice: recover
+                    self._event("Warning", "WorkerLost", f"worker {d} is gone without notice; "
+                                "recovering from the in-memory copies")
+                    c.fail_device(d, "its pod is gone")
+                else:
+                    c.remove_device(d)
         for d, w in workers.items():
             if w.doomed and d in c.clients and d not in self.noticed:
                 self.noticed.add(d)

@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("generation", "layout", "devices", "rendezvous", "devices_per_node", "staging_bytes", "timeout_seconds", "reason", "old_layout", "old_devices")
+    __slots__ = ("generation", "layout", "devices", "rendezvous", "devices_per_node", "staging_bytes", "timeout_seconds", "reason", "old_layout", "old_devices", "recover", "restore_step", "failed_devices", "proxies", "checkpoint")
+    class ProxiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +26,11 @@ class PrepareRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     OLD_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     OLD_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILED_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PROXIES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     layout: str
     devices: _containers.RepeatedScalarFieldContainer[int]
@@ -29,7 +41,12 @@ class PrepareRequest(_message.Message):
     reason: str
     old_layout: str
     old_devices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., devices_per_node: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., old_layout: _Optional[str] = ..., old_devices: _Optional[_Iterable[int]] = ...) -> None: ...
+    recover: bool
+    restore_step: int
+    failed_devices: _containers.RepeatedScalarFieldContainer[int]
+    proxies: _containers.ScalarMap[int, int]
+    checkpoint: str
+    def __init__(self, generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., devices_per_node: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., old_layout: _Optional[str] = ..., old_devices: _Optional[_Iterable[int]] = ..., recover: _Optional[bool] = ..., restore_step: _Optional[int] = ..., failed_devices: _Optional[_Iterable[int]] = ..., proxies: _Optional[_Mapping[int, int]] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("generation",)
@@ -95,7 +112,7 @@ class StatusRequest(_message.Message):
     def __init__(self, since_step: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end")
+    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +120,7 @@ class StepRecord(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_BEGIN_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_END_FIELD_NUMBER: _ClassVar[int]
+    END_TIME_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     seconds: float
@@ -110,7 +128,8 @@ class StepRecord(_message.Message):
     generation: int
     sample_begin: int
     sample_end: int
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ...) -> None: ...
+    end_time: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ...) -> None: ...
 
 class SwitchReport(_message.Message):
     __slots__ = ("generation", "from_layout", "to_layout", "step", "pause_seconds", "bytes_sent", "bytes_received")
@@ -131,7 +150,7 @@ class SwitchReport(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., from_layout: _Optional[str] = ..., to_layout: _Optional[str] = ..., step: _Optional[int] = ..., pause_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "device", "generation", "layout", "devices", "rank", "step", "data_position", "prepared_generation", "prepared_ready", "prepared_error", "last_switch", "steps", "error", "tokens_per_second", "prepared_layout", "prepared_devices", "prepared_committed")
+    __slots__ = ("state", "device", "generation", "layout", "devices", "rank", "step", "data_position", "prepared_generation", "prepared_ready", "prepared_error", "last_switch", "steps", "error", "tokens_per_second", "prepared_layout", "prepared_devices", "prepared_committed", "snapshot_steps", "mirror_of", "mirror_steps", "checkpoint", "checkpoint_step")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[StatusResponse.State]
@@ -141,6 +160,7 @@ class StatusResponse(_message.Message):
         FINISHED: _ClassVar[StatusResponse.State]
         LEFT: _ClassVar[StatusResponse.State]
         FAILED: _ClassVar[StatusResponse.State]
+        INTERRUPTED: _ClassVar[StatusResponse.State]
     STATE_UNSPECIFIED: StatusResponse.State
     STANDBY: StatusResponse.State
     TRAINING: StatusResponse.State
@@ -148,6 +168,7 @@ class StatusResponse(_message.Message):
     FINISHED: StatusResponse.State
     LEFT: StatusResponse.State
     FAILED: StatusResponse.State
+    INTERRUPTED: StatusResponse.State
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +187,11 @@ class StatusResponse(_message.Message):
     PREPARED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREPARED_DEVICES_FIELD_NUMBER: _ClassVar[int]
     PREPARED_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_OF_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     state: StatusResponse.State
     device: int
     generation: int
@@ -184,4 +210,9 @@ class StatusResponse(_message.Message):
     prepared_layout: str
     prepared_devices: _containers.RepeatedScalarFieldContainer[int]
     prepared_committed: bool
-    def __init__(self, state: _Optional[_Union[StatusResponse.State, str]] = ..., device: _Optional[int] = ..., generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ..., prepared_generation: _Optional[int] = ..., prepared_ready: _Optional[bool] = ..., prepared_error: _Optional[str] = ..., last_switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., error: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., prepared_layout: _Optional[str] = ..., prepared_devices: _Optional[_Iterable[int]] = ..., prepared_committed: _Optional[bool] = ...) -> None: ...
+    snapshot_steps: _containers.RepeatedScalarFieldContainer[int]
+    mirror_of: int
+    mirror_steps: _containers.RepeatedScalarFieldContainer[int]
+    checkpoint: str
+    checkpoint_step: int
+    def __init__(self, state: _Optional[_Union[StatusResponse.State, str]] = ..., device: _Optional[int] = ..., generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ..., prepared_generation: _Optional[int] = ..., prepared_ready: _Optional[bool] = ..., prepared_error: _Optional[str] = ..., last_switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., error: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., prepared_layout: _Optional[str] = ..., prepared_devices: _Optional[_Iterable[int]] = ..., prepared_committed: _Optional[bool] = ..., snapshot_steps: _Optional[_Iterable[int]] = ..., mirror_of: _Optional[int] = ..., mirror_steps: _Optional[_Iterable[int]] = ..., checkpoint: _Optional[str] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...

@@ -19,12 +19,15 @@ from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 
 from .job import JobSpec
-from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
+from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
 from .policy import Policy
 from .solver import DeviceProfile, SolverError
 
 State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3
+INTERRUPT_GRACE_S = 1.0
+"""How long members may report INTERRUPTED before the controller recovers without knowing
+which device failed (normally the runner or the cluster names it within milliseconds)."""
 
 
 class JobFailed(RuntimeError):
@@ -40,6 +43,8 @@ class Progress:
     samples: list[tuple[int, int]] = field(default_factory=list)
     """Every [begin, end) a data reader consumed, as reported (for exactly-once accounting)."""
     finished: bool = False
+    first_step: int = 0
+    """The step the job started from (a checkpoint's); samples before it are not this run's."""
 
 
 class JobController:
@@ -58,6 +63,17 @@ class JobController:
         self.switches: list[SwitchRecord] = []
         self.progress = Progress()
         self._seen: dict[int, int] = {}
+        self.failed: set[int] = set()
+        """Devices of the running layout that died without notice (recovery pending)."""
+        self.interrupted_since: float | None = None
+        self.recoveries: list[SwitchRecord] = []
+        self.first_step_end: dict[int, float] = {}
+        """Generation -> wall time at which its first step ended (recovery time is measured
+        up to it)."""
+        self.resume_from = ""
+        """A checkpoint the job's first generation starts from (any layout)."""
+        self.recover_in_memory = True
+        """False: leave failures to the front end (the local runner's restart mode)."""
         self.before_switch = None
         """Called with (old layout, new layout, reason) before a switch starts (the operator
         shows the job as Switching)."""
@@ -77,6 +93,27 @@ class JobController:
         if client is not None:
             client.close()
         self.doomed.pop(device, None)
+        self._report_workers()
+
+    def fail_device(self, device: int, why: str) -> None:
+        """``device`` died without notice (a crash, a lost node): the next tick recovers."""
+        if device in self.members and device not in self.failed:
+            self.log(f"device {device} failed: {why}")
+            self.failed.add(device)
+        self.remove_device(device)
+
+    def restart_from(self, checkpoint: str, step: int) -> None:
+        """Every worker was replaced (checkpoint-and-restart): start again from ``checkpoint``."""
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+        self.doomed.clear()
+        self.failed.clear()
+        self.layout = None
+        self.interrupted_since = None
+        self.resume_from = checkpoint
+        self._rewind(step)
+        self._seen.clear()
         self._report_workers()
 
     def request_layout(self, layout: Layout) -> None:
@@ -163,6 +200,10 @@ class JobController:
         self.poll()
         if self.progress.finished:
             return None
+        if self.failed or self._interrupted_long_enough():
+            if not self.recover_in_memory:
+                return None          # the front end restarts the job (checkpoint-and-restart)
+            return self._recover()
         try:
             decision = self.policy.decide(self.job, self.profile, self.layout, self.usable,
                                           set(self.doomed), self.progress.step)
@@ -182,17 +223,29 @@ class JobController:
         p = self.progress
         states = []
         for d in self.members:
+            if d in self.failed:
+                continue
             try:
                 st = self.clients[d].status(since_step=self._seen.get(d, 0))
             except AgentCallError as e:
-                raise JobFailed(f"device {d} stopped answering: {e}") from e
+                self.fail_device(d, f"stopped answering: {e}")
+                continue
             if st.state == State.FAILED:
                 raise JobFailed(f"device {d} failed: {st.error}")
             states.append(st.state)
             self._ingest(d, st)
-        if states:
+        if State.INTERRUPTED in states:
+            if self.interrupted_since is None:
+                self.interrupted_since = time.monotonic()
+        else:
+            self.interrupted_since = None
+        if states and not self.failed:
             p.finished = all(s == State.FINISHED for s in states)
         return p
+
+    def _interrupted_long_enough(self) -> bool:
+        return (self.interrupted_since is not None
+                and time.monotonic() - self.interrupted_since > INTERRUPT_GRACE_S)
 
     def _ingest(self, device: int, st) -> None:
         p = self.progress
@@ -200,27 +253,55 @@ class JobController:
             if rec.step <= self._seen.get(device, 0):
                 continue
             self._seen[device] = rec.step
+            if rec.end_time:
+                self.first_step_end.setdefault(rec.generation, rec.end_time)
             p.losses.setdefault(rec.step, rec.loss)
             if rec.sample_end > rec.sample_begin:
                 p.samples.append((rec.sample_begin, rec.sample_end))
             if rec.step >= p.step:
                 p.step, p.loss, p.tokens_per_second = rec.step, rec.loss, rec.tokens_per_second
 
-    def _switch(self, new: Layout, reason: str) -> SwitchRecord:
+    def _drop_unreachable(self, devices) -> bool:
+        """Ask each device for its Status; fail (members) or drop (others) those that do not
+        answer. True if any was gone."""
+        gone = False
+        for d in sorted(devices):
+            client = self.clients.get(d)
+            if client is None:
+                gone = gone or d in self.failed
+                continue
+            try:
+                client.status(since_step=1 << 62)
+            except AgentCallError as e:
+                gone = True
+                if d in self.members:
+                    self.fail_device(d, f"stopped answering during a switch: {e}")
+                else:
+                    self.log(f"device {d} is gone: {e}")
+                    self.remove_device(d)
+        return gone
+
+    def _switch(self, new: Layout, reason: str) -> SwitchRecord | None:
         old = self.layout
         last_error = None
         if self.before_switch is not None:
             self.before_switch(old, new, reason)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.generation += 1
+            kw = {"checkpoint": self.resume_from} if old is None and self.resume_from else {}
             try:
                 record = switch(self.clients, self.generation, old, new, self.rendezvous,
                                 reason=reason, timeouts=self.timeouts,
-                                devices_per_node=self.devices_per_node)
+                                devices_per_node=self.devices_per_node, **kw)
             except SwitchFailed as e:
                 last_error = e
                 self.metrics.observe_switch(reason, "aborted" if e.retryable else "failed",
                                             {}, 0)
+                if self._drop_unreachable(set(old.device_of if old else ()) | set(new.device_of)):
+                    # A device died under the switch: the next tick recovers (or re-plans)
+                    # with the devices left; retrying this switch would fail again.
+                    self.log(f"switch to {new.to_text()} failed because a device is gone: {e}")
+                    return None
                 if not e.retryable:
                     raise JobFailed(f"switch {_text(old)} -> {new.to_text()} ({reason}) "
                                     f"failed: {e}") from e
@@ -229,16 +310,122 @@ class JobController:
                 time.sleep(min(2.0, 0.25 * 2 ** attempt))
                 continue
             record.attempts = attempt
+            if kw:
+                self.log(f"started from checkpoint {self.resume_from} at step {record.step}")
+                if not self.progress.samples:
+                    self.progress.first_step = record.step
+                self._rewind(record.step)
+                self.resume_from = ""
             self._after_switch(old, new, record)
             return record
         raise JobFailed(f"switch {_text(old)} -> {new.to_text()} ({reason}) failed "
                         f"{MAX_ATTEMPTS} times; last error: {last_error}")
 
+    # -- recovery from unplanned failures ----------------------------------------------------------
+    def _recover(self) -> SwitchRecord:
+        """Bring the job back after devices died without notice: a new layout over the
+        devices left, started from the last step whose state survives in memory (every
+        survivor's snapshot; the failed devices' unique state from their buddies' mirrors), or
+        from the newest checkpoint when no in-memory copy survives."""
+        old, failed = self.layout, tuple(sorted(self.failed & set(self.members)))
+        t0 = time.monotonic()
+        try:
+            decision = self.policy.decide(self.job, self.profile, old, self.usable,
+                                          set(self.doomed) | set(failed), self.progress.step)
+        except SolverError as e:
+            raise JobFailed(f"devices {list(failed)} failed and no layout fits the "
+                            f"{len(self.usable)} devices left: {e}") from e
+        new = decision.layout if decision is not None else old
+        holdings = {}
+        for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of))):
+            try:
+                holdings[d] = self.clients[d].status(since_step=self._seen.get(d, 0))
+            except AgentCallError as e:
+                raise JobFailed(f"recovering from the failure of devices {list(failed)}: "
+                                f"device {d} does not answer either: {e}") from e
+            if d in old.device_of:
+                self._ingest(d, holdings[d])        # steps reported since the last poll
+        choice = choose_restore(self.job.model, old, new, failed, holdings,
+                                gpus_per_node=self.devices_per_node)
+        lost_from = self.progress.step
+        self.generation += 1
+        if choice is not None:
+            restore = Restore(choice[0], failed, choice[1])
+            what = (f"restoring step {restore.step} from memory"
+                    + (f" (mirrors of {sorted(restore.proxies)} on "
+                       f"{[restore.proxies[k] for k in sorted(restore.proxies)]})"
+                       if restore.proxies else ""))
+            self.log(f"recovering: {_text(old)} -> {new.to_text()}, {what}")
+            kw = dict(restore=restore)
+            start = old
+        else:
+            ckpt = max(((st.checkpoint_step, st.checkpoint) for st in holdings.values()
+                        if st.checkpoint), default=None)
+            if ckpt is None:
+                raise JobFailed(
+                    f"devices {list(failed)} failed and no copy of their state survives in "
+                    f"memory (their buddies are gone too, or spec.recovery.mirror is off), and "
+                    f"there is no checkpoint to fall back on (set spec.recovery.checkpoint."
+                    f"intervalSteps); the job stops at step {self.progress.step}")
+            self.log(f"recovering: no in-memory copy of the state of {list(failed)} survives; "
+                     f"restarting {new.to_text()} from checkpoint {ckpt[1]} (step {ckpt[0]})")
+            kw = dict(checkpoint=ckpt[1])
+            start = None
+        try:
+            record = switch(self.clients, self.generation, start, new, self.rendezvous,
+                            reason="failure", timeouts=self.timeouts,
+                            devices_per_node=self.devices_per_node, **kw)
+        except SwitchFailed as e:
+            self.metrics.observe_switch("failure", "failed", {}, 0)
+            raise JobFailed(f"recovery {_text(old)} -> {new.to_text()} failed: {e}") from e
+        record.from_layout = _text(old)
+        record.prepare_seconds = max(record.prepare_seconds, 0.0)
+        record.phases["recovery_seconds"] = time.monotonic() - t0
+        record.phases["restored_step"] = record.step
+        record.phases["lost_steps"] = max(0, lost_from - record.step)
+        record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
+        self._rewind(record.step)
+        if choice is not None:
+            self._account_lost_reports(old, failed, record.step)
+        self._after_switch(old, new, record)
+        self.failed.clear()
+        self.interrupted_since = None
+        self.recoveries.append(record)
+        return record
+
+    def _account_lost_reports(self, old: Layout, failed, step: int) -> None:
+        """A failed device's step records after its last Status are gone with it, but the
+        restored state includes those steps, so its data reads happened. Which samples a data
+        reader reads is a function of the layout and the step alone (the first stage's TP
+        rank 0 of DP index j reads its j-th share of the step's global batch), so they are
+        accounted here exactly as the device would have reported them."""
+        gbs = self.job.global_batch_size
+        per_rank = gbs // old.dp
+        for d in failed:
+            stage, j, t = old.coords(old.device_of.index(d))
+            if stage != 0 or t != 0:
+                continue
+            for k in range(self._seen.get(d, 0) + 1, step + 1):
+                start = (k - 1) * gbs + j * per_rank
+                self.progress.samples.append((start, start + per_rank))
+            self._seen[d] = step
+
+    def _rewind(self, step: int) -> None:
+        """Forget progress after ``step``: those steps are trained again."""
+        p = self.progress
+        p.step = step
+        p.losses = {k: v for k, v in p.losses.items() if k <= step}
+        end = step * self.job.global_batch_size
+        p.samples = [(a, b) for a, b in p.samples if b <= end]
+        p.loss = p.losses.get(step)
+        self._seen = {d: min(v, step) for d, v in self._seen.items()}
+
     def _after_switch(self, old: Layout | None, new: Layout, record: SwitchRecord) -> None:
         # Read what leavers did up to the switch before they exit (their last Status).
-        for d in sorted(set(old.device_of if old else ()) - set(new.device_of)):
+        for d in sorted(set(old.device_of if old else ()) - set(new.device_of) - self.failed):
             try:
-                self._ingest(d, self.clients[d].status(since_step=self._seen.get(d, 0)))
+                if d in self.clients:
+                    self._ingest(d, self.clients[d].status(since_step=self._seen.get(d, 0)))
             except AgentCallError:
                 pass
         self.layout = new
@@ -251,6 +438,36 @@ class JobController:
                                         {"prepare": record.prepare_seconds,
                                          "pause": record.pause_seconds,
                                          "transfer": record.transfer_seconds}, record.bytes)
+
+
+def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], holdings: dict,
+                   *, gpus_per_node: int = 8) -> tuple[int, dict[int, int]] | None:
+    """The newest step every survivor holds a snapshot of and from which ``new`` can be
+    planned, with the mirrors (proxies) that make it whole; None if no step qualifies.
+
+    ``holdings``: device -> its Status (snapshot_steps, mirror_of, mirror_steps). The planner
+    itself decides whether a step is whole: it fails (PlanError) when some state of a failed
+    device has neither a surviving replica nor a mirror.
+    """
+    from dynatrain.vps.planner import PlanError, plan_switch
+
+    survivors = [d for d in old.device_of if d not in failed]
+    if not survivors:
+        return None
+    common = set.intersection(*(set(holdings[d].snapshot_steps) if d in holdings else set()
+                                for d in survivors))
+    for step in sorted(common, reverse=True):
+        proxies = {}
+        for d, st in holdings.items():
+            if st.mirror_of in failed and step in st.mirror_steps:
+                proxies[st.mirror_of] = d
+        try:
+            plan_switch(model, old, new, gpus_per_node=gpus_per_node, dead=failed,
+                        proxies=proxies)
+        except PlanError:
+            continue
+        return step, proxies
+    return None
 
 
 def _text(layout: Layout | None) -> str:

@@ -57,6 +57,24 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class RecoverySpec:
+    """How the job survives workers that die without notice (``spec.recovery``)."""
+
+    mirror: bool = True
+    """Mirror each worker's unique state (no replica across DP) to a buddy's host memory
+    after every step, so that one lost worker (or node) costs no checkpoint."""
+    checkpoint_interval: int = 0
+    """Steps between PyTorch Distributed Checkpoints (``spec.checkpoint.intervalSteps``), the
+    last resort; 0: no ``spec.checkpoint``, none."""
+    checkpoint_dir: str = ""
+    """Where the workers write them (``spec.checkpoint.path``, the claim's mount point on a
+    cluster); ``dynatrain run`` uses ``<run dir>/checkpoints`` instead."""
+    checkpoint_keep: int = 2
+    resume_from: str = ""
+    """Start the job from this checkpoint (written under any layout)."""
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     namespace: str
@@ -78,6 +96,7 @@ class JobSpec:
     preemption_policy: str = "Switch"
     image: str = ""
     limits: Limits = Limits()
+    recovery: RecoverySpec = RecoverySpec()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     def train_config(self, layout: Layout):
@@ -235,6 +254,21 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     policy = r.str(spec, "preemptionPolicy", "spec", "Switch",
                    choices=PREEMPTION_POLICIES) or "Switch"
 
+    rec = r.obj(spec, "recovery", "spec")
+    mirror = rec.get("mirror", True)
+    if not isinstance(mirror, bool):
+        r.problems.append(f"spec.recovery.mirror={mirror!r} must be true or false")
+        mirror = True
+    ck = r.obj(spec, "checkpoint", "spec")
+    r.str(ck, "claimName", "spec.checkpoint")          # the cluster's volume; checked only
+    recovery = RecoverySpec(
+        mirror=mirror,
+        checkpoint_interval=(r.int(ck, "intervalSteps", "spec.checkpoint", 1000, minimum=1)
+                             or 1000) if ck else 0,
+        checkpoint_dir=r.str(ck, "path", "spec.checkpoint", "/checkpoints") if ck else "",
+        checkpoint_keep=r.int(ck, "keep", "spec.checkpoint", 2, minimum=1) or 2,
+        resume_from=r.str(rec, "resumeFrom", "spec.recovery") or "")
+
     if model is not None and layout is not None:
         from dynatrain.vps.layout import layout_problems
 
@@ -255,7 +289,8 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    min_workers=min_w, max_workers=max_w, workers=workers, mode=mode,
                    layout=layout, global_batch_size=gbs, training=training,
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
-                   preemption_policy=policy, image=image or "", raw=doc, limits=limits)
+                   preemption_policy=policy, image=image or "", raw=doc, limits=limits,
+                   recovery=recovery)
 
 
 def load_job(path: str | Path) -> JobSpec:

@@ -60,6 +60,10 @@ class RunResult:
     samples_exactly_once: bool
     wall_seconds: float
     layouts: list[str] = field(default_factory=list)
+    recoveries: list = field(default_factory=list)
+    """Switch records of the recoveries from unplanned failures (reason ``failure``)."""
+    failures: list = field(default_factory=list)
+    """(device, wall time) of every worker that died in the running layout."""
 
     def summary(self) -> dict:
         return {"job": self.job, "steps": self.steps, "final_loss": self.final_loss,
@@ -67,6 +71,8 @@ class RunResult:
                 "losses": [self.losses[k] for k in sorted(self.losses)],
                 "samples_consumed": self.samples_consumed,
                 "samples_exactly_once": self.samples_exactly_once,
+                "recoveries": [s.summary() for s in self.recoveries],
+                "failures": [{"device": d, "time": t} for d, t in self.failures],
                 "wall_seconds": self.wall_seconds}
 
 
@@ -74,7 +80,9 @@ class LocalRunner:
     def __init__(self, job: JobSpec, job_path: str, scenario: Scenario, *, run_dir: Path,
                  profile: DeviceProfile, policy: Policy | None = None, out=print,
                  metrics_port: int = 0, prometheus_sd: str | None = None,
-                 threads_per_worker: int = 0, timeouts: Timeouts = Timeouts()):
+                 threads_per_worker: int = 0, timeouts: Timeouts = Timeouts(),
+                 resume_from: str = "", restart_on_failure: bool = False,
+                 worker_env: dict[int, dict[str, str]] | None = None):
         self.job, self.job_path, self.scenario = job, job_path, scenario
         self.run_dir, self.out = run_dir, out
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +102,22 @@ class LocalRunner:
         self.workers: dict[int, WorkerProcess] = {}
         self.next_device = 0
         self.t0 = time.monotonic()
+        # Locally the checkpoints live in the run directory, whatever spec.checkpoint.path says
+        # (that is the claim's mount point in a worker pod).
+        self.checkpoint_dir = str(run_dir / "checkpoints")
+        self.controller.resume_from = resume_from or job.recovery.resume_from
+        self.restart_on_failure = restart_on_failure
+        self.controller.recover_in_memory = not restart_on_failure
+        """Recover the old way, for comparison: stop every worker, start fresh ones from the
+        newest checkpoint (``dynatrain bench chaos`` measures both)."""
+        self.worker_env = worker_env or {}
+        """Extra environment per device (fault injection in ``dynatrain bench chaos``)."""
+        self.kills: list[tuple[int, float]] = []
+        """(device, wall time) of every scenario kill."""
+        self.restarts: list[tuple[int, float]] = []
+        """(checkpoint step, wall time) of every checkpoint-and-restart."""
+        self.failures: list[tuple[int, float]] = []
+        """(device, wall time) of every worker that died in the running layout."""
 
     def _say(self, text: str) -> None:
         self.out(f"[{time.monotonic() - self.t0:6.1f}s] {text}")
@@ -110,10 +134,11 @@ class LocalRunner:
             cmd = [sys.executable, "-m", "dynatrain.agent.worker", "--job", self.job_path,
                    "--device", str(d), "--token-file", str(self.token_file),
                    "--ready-file", str(ready), "--threads", str(self.threads),
-                   "--parent-pid", str(os.getpid())]
+                   "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir]
+            env = {**os.environ, **self.worker_env.get(d, {})}
             with open(log, "w") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, env=env)
             self.workers[d] = WorkerProcess(d, proc, log)
             devices.append(d)
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
@@ -165,13 +190,38 @@ class LocalRunner:
             if code is None:
                 continue
             in_layout = w.device in self.controller.members
-            if (code != 0 and not w.expected_exit) or in_layout:
-                raise JobFailed(f"worker {w.device} exited with code {code} while "
-                                f"{'in the running layout' if in_layout else 'standing by'}:"
-                                f"\n{_tail(w.log)}")
-            self.controller.remove_device(w.device)
             del self.workers[w.device]
             self._write_sd()
+            if in_layout:
+                self.failures.append((w.device, time.time()))
+                if self.restart_on_failure:
+                    self._restart(w.device, code)
+                    return
+                self.controller.fail_device(w.device, f"worker exited with code {code}; its "
+                                            f"log ends:\n{_tail(w.log, 5)}")
+                continue
+            if code != 0 and not w.expected_exit:
+                self._say(f"worker {w.device} (standing by) exited with code {code}; its log "
+                          f"ends:\n{_tail(w.log, 5)}")
+            self.controller.remove_device(w.device)
+
+    def _restart(self, device: int, code) -> None:
+        """Checkpoint-and-restart: every worker stops, fresh ones load the newest checkpoint."""
+        from dynatrain.trainer.checkpoint import latest_checkpoint
+
+        found = latest_checkpoint(self.checkpoint_dir)
+        if found is None:
+            raise JobFailed(f"worker {device} exited with code {code} and there is no "
+                            f"checkpoint in {self.checkpoint_dir} to restart from")
+        path, step = found
+        self._say(f"worker {device} exited with code {code}: restarting every worker from "
+                  f"checkpoint {path} (step {step})")
+        count = len(self.controller.members)
+        self.restarts.append((step, time.time()))
+        self._stop_all()
+        self.workers.clear()
+        self.controller.restart_from(path, step)
+        self._spawn(count)
 
     def _apply(self, event: Event) -> None:
         self._say(f"scenario at step {event.at_step}: {event.describe()}")
@@ -184,6 +234,14 @@ class LocalRunner:
                 w.kill_at = time.monotonic() + event.notice_seconds
                 w.expected_exit = True
                 self.controller.notice(d, event.notice_seconds)
+        elif event.kind == "kill":
+            for d in event.workers:
+                w = self.workers.get(d)
+                if w is None:
+                    self._say(f"  worker {d} is not running; nothing to kill")
+                    continue
+                w.proc.kill()           # no notice: the controller learns it from the exit
+                self.kills.append((d, time.time()))
         elif event.kind == "join":
             new = self._spawn(event.count)
             self._say(f"  workers {new} up (standby)")
@@ -205,6 +263,9 @@ class LocalRunner:
             while True:
                 self._check_workers()
                 record = c.tick()
+                if self.restart_on_failure and c.failed:
+                    self._restart(min(c.failed), "unknown (it stopped answering)")
+                    continue
                 if record is not None:
                     self._report_switch(record)
                 p = c.progress
@@ -248,16 +309,18 @@ class LocalRunner:
     def _result(self) -> RunResult:
         p = self.controller.progress
         steps = max(p.losses) if p.losses else 0
+        first = p.first_step * self.job.global_batch_size
         total = steps * self.job.global_batch_size
-        counts = [0] * total
+        counts = [0] * max(0, total - first)
         for a, b in p.samples:
-            for i in range(a, min(b, total)):
-                counts[i] += 1
-        once = bool(total) and all(n == 1 for n in counts) and \
-            sum(b - a for a, b in p.samples) == total
+            for i in range(max(a, first), min(b, total)):
+                counts[i - first] += 1
+        once = bool(counts) and all(n == 1 for n in counts) and \
+            sum(b - a for a, b in p.samples) == total - first
         return RunResult(self.job.name, steps, p.losses.get(steps, float("nan")), p.losses,
                          self.controller.switches, sum(b - a for a, b in p.samples), once,
-                         time.monotonic() - self.t0)
+                         time.monotonic() - self.t0, recoveries=self.controller.recoveries,
+                         failures=self.failures)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

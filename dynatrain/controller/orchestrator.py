@@ -14,7 +14,7 @@ state may have started to move (recovery is the job of the next layer).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from dynatrain.agent.client import AgentCallError, AgentClient
@@ -86,11 +86,26 @@ def _fan_out(fn, items) -> list:
         return list(pool.map(call, items))
 
 
+@dataclass(frozen=True)
+class Restore:
+    """What a recovery switch starts from: every survivor's snapshot of ``step``; the failed
+    devices' unique state from the mirrors their ``proxies`` hold."""
+
+    step: int
+    failed: tuple[int, ...]
+    proxies: dict[int, int]
+
+
 def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None, new: Layout,
            rendezvous: str, *, reason: str, timeouts: Timeouts = Timeouts(),
-           devices_per_node: int = 8, staging_bytes: int = 0) -> SwitchRecord:
-    """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``."""
-    members = sorted(set(old.device_of if old else ()) | set(new.device_of))
+           devices_per_node: int = 8, staging_bytes: int = 0, restore: Restore | None = None,
+           checkpoint: str = "") -> SwitchRecord:
+    """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``.
+
+    ``restore`` makes it a recovery (the old generation failed; its failed devices take no
+    part); ``checkpoint`` (with ``old=None``) starts ``new`` from a checkpoint."""
+    failed = set(restore.failed) if restore else set()
+    members = sorted((set(old.device_of if old else ()) | set(new.device_of)) - failed)
     missing = [d for d in members if d not in clients]
     if missing:
         raise SwitchFailed(f"no agent for devices {missing}", retryable=False)
@@ -103,7 +118,10 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
             devices_per_node=devices_per_node, staging_bytes=staging_bytes,
             timeout_s=timeouts.group_s, reason=reason,
             old_layout=old.to_text() if old else "",
-            old_devices=list(old.device_of) if old else [])
+            old_devices=list(old.device_of) if old else [], recover=restore is not None,
+            restore_step=restore.step if restore else 0,
+            failed_devices=list(restore.failed) if restore else [],
+            proxies=restore.proxies if restore else None, checkpoint=checkpoint)
 
     t0 = time.monotonic()
     errors = [(d, r) for d, r in zip(members, _fan_out(prepare, members))
@@ -134,8 +152,7 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
             time.sleep(0.02)
     record.prepare_seconds = time.monotonic() - t0
 
-    replies = _fan_out(lambda d: clients[d].commit(generation, 0, timeout_s=timeouts.commit_s),
-                       members)
+    replies = _commit_watching(clients, members, generation, timeouts.commit_s)
     errors = [(d, r) for d, r in zip(members, replies) if isinstance(r, Exception)]
     if errors:
         record.result, record.error = "failed", "; ".join(f"device {d}: {e}" for d, e in errors)
@@ -145,6 +162,7 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
     # The pause is the training's: joiners enter the switch at once and wait there for the old
     # world to reach the boundary, so their time is not a pause of anything.
     trained = [r for d, r in zip(members, replies) if old is None or d in old.device_of]
+    trained = trained or list(replies)
     record.pause_seconds = max(r.pause_seconds for r in trained)
     record.transfer_seconds = max(r.phase_seconds.get("transfer", 0.0) for r in trained)
     for r in trained:
@@ -154,6 +172,38 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
     record.bytes = sum(r.bytes_sent for r in replies)
     record.bytes_local = sum(r.bytes_local for r in replies)
     return record
+
+
+def _commit_watching(clients, members: list[int], generation: int, timeout_s: float) -> list:
+    """Commit on every device at once; while the replies are outstanding, check every 0.1 s
+    that the devices still answer. A device that dies mid-switch leaves the others waiting in
+    the transfer until their timeout; noticing it now lets the controller recover at once (its
+    recovery Prepare abandons their waits)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(members)))
+    futures = [pool.submit(lambda d=d: clients[d].commit(generation, 0, timeout_s=timeout_s))
+               for d in members]
+    try:
+        while True:
+            done, pending = wait(futures, timeout=0.1)
+            if not pending:
+                break
+            # Every device, answered or not: the one that died has usually answered already
+            # (its Commit failed), while the others wait on it.
+            for d in members:
+                try:
+                    clients[d].status(since_step=1 << 62)
+                except AgentCallError as e:
+                    raise SwitchFailed(f"device {d} stopped answering during the switch to "
+                                       f"generation {generation}: {e}", retryable=False) from e
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as e:  # collected, judged by the caller
+                out.append(e)
+        return out
+    finally:
+        pool.shutdown(wait=False)   # a commit still waiting ends when its agent gives up
 
 
 def _abort(clients, members, generation: int, reason: str) -> None:

@@ -9,6 +9,8 @@ events:
     join: 1                                     # new workers start in standby
   - atStep: 45
     layout: "dp=1,tp=2,pp=2"                     # a user fixes the layout (kubectl edit)
+  - atStep: 60
+    kill: {workers: [1]}                         # dies with no notice (kill -9): recovery
 ```
 
 Workers are named by their device id: the initial workers are 0..N-1, joiners take the next
@@ -24,7 +26,7 @@ import yaml
 
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 
-KINDS = ("preempt", "join", "layout")
+KINDS = ("preempt", "join", "layout", "kill")
 
 
 class ScenarioError(ValueError):
@@ -44,6 +46,8 @@ class Event:
         if self.kind == "preempt":
             return (f"preemption notice for worker(s) {list(self.workers)} "
                     f"({self.notice_seconds:g} s)")
+        if self.kind == "kill":
+            return f"worker(s) {list(self.workers)} killed without notice"
         if self.kind == "join":
             return f"{self.count} worker(s) join"
         return f"layout {self.layout.to_text()} requested"
@@ -104,6 +108,14 @@ def parse_scenario(doc, *, source: str = "scenario") -> Scenario:
                 continue
             events.append(Event(step, kind, workers=tuple(value["workers"]),
                                 notice_seconds=float(notice)))
+        elif kind == "kill":
+            if not isinstance(value, dict) or not isinstance(value.get("workers"), list) \
+                    or not value["workers"] or set(value) != {"workers"} \
+                    or not all(isinstance(w, int) and w >= 0 for w in value["workers"]):
+                problems.append(f"{where}.kill must be {{workers: [ids]}} with worker ids "
+                                f">= 0, got {value!r}")
+                continue
+            events.append(Event(step, kind, workers=tuple(value["workers"])))
         elif kind == "join":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{where}.join={value!r} must be a positive worker count")

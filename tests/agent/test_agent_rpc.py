@@ -97,7 +97,8 @@ class StepControl:
             raise exc
 
     def prepare(self, generation, layout, devices, rendezvous, devices_per_node,
-                staging_bytes, timeout_s, reason="", old_layout=None):
+                staging_bytes, timeout_s, reason="", old_layout=None, recovery=None,
+                checkpoint=""):
         self._enter("prepare")
         with self.cond:
             if generation != self.generation + 1:

@@ -1,0 +1,391 @@
+"""``dynatrain bench chaos``: kill workers of a running job at random points; check every trial.
+
+Each trial is a real local job (``dynatrain run``'s runner, one process per worker, in a
+process of its own with a time limit) that loses a worker without notice at a random point:
+
+- ``step``: SIGKILL of a random member while it trains (one worker, or a worker and its buddy
+  at once: then no mirror survives and the job falls back on its checkpoint if any state was
+  unique);
+- ``prepare``: the victim dies inside its background preparation of a switch;
+- ``transfer``: the victim dies as the switch's transfer starts.
+
+A trial is then judged: **recovered** when training went on to the last step and the state the
+recovery restored equals, bit for bit, a failure-free run of the same job at the restored step
+(every tensor and state kind, step and data position; the failure-free runs are made once per
+layout after the trials); a **clean failure** when the job stopped with a message that says
+why; **hung** when the trial passed its time limit; **corrupted** when the restored state
+differs. MTTR is the time from the kill to the end of the first step after the recovery.
+
+For comparison, ``--restart-trials`` trials recover the old way: every worker stops and fresh
+ones load the newest checkpoint (one per step, the best case for a restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+LAYOUTS = ("dp=4", "dp=2,pp=2", "dp=2,tp=2,zero=1", "tp=2,pp=2", "dp=4,zero=1")
+"""Initial layouts of the trials: replicated state, pipelines, ZeRO shards, and no DP at all
+(every byte unique: only the mirrors can save it)."""
+SWITCH_TO = {"dp=4": "dp=2,tp=2", "dp=2,pp=2": "dp=4", "dp=2,tp=2,zero=1": "tp=2,pp=2",
+             "tp=2,pp=2": "dp=2,pp=2", "dp=4,zero=1": "dp=2,pp=2"}
+"""The switch in flight when a ``prepare`` or ``transfer`` kill lands."""
+KINDS = ("step", "prepare", "transfer")
+
+
+@dataclass
+class TrialSpec:
+    index: int
+    kind: str
+    """step | prepare | transfer | restart | reference"""
+    layout: str
+    victims: list[int] = field(default_factory=list)
+    at_step: int = 0
+    steps: int = 16
+    checkpoint_every: int = 4
+    dump_steps: list[int] = field(default_factory=list)
+    """Reference runs only: the steps whose state to keep."""
+
+
+@dataclass
+class TrialResult:
+    index: int
+    kind: str
+    layout: str
+    victims: list[int]
+    outcome: str = ""
+    """recovered | clean_failure | hung | corrupted | error"""
+    message: str = ""
+    restored_step: int | None = None
+    restored_from: str = ""
+    """memory | checkpoint | restart"""
+    mttr_seconds: float | None = None
+    new_layout: str = ""
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def _manifest(spec: TrialSpec) -> dict:
+    return {"apiVersion": "dynatrain.io/v1alpha1", "kind": "DynaTrainJob",
+            "metadata": {"name": f"chaos-{spec.index}"},
+            "spec": {"model": {"preset": "gpt-tiny"},
+                     "elastic": {"minWorkers": 1, "maxWorkers": 4},
+                     "parallelism": {"mode": "auto", "layout": spec.layout},
+                     "globalBatchSize": 8,
+                     "training": {"steps": spec.steps, "seqLen": 32, "learningRate": 3e-4},
+                     "recovery": {"mirror": True},
+                     "checkpoint": {"claimName": "unused-locally",
+                                    "intervalSteps": spec.checkpoint_every}}}
+
+
+# -- one trial, in a process of its own ---------------------------------------------------------
+def run_trial(spec: TrialSpec, workdir: Path) -> dict:
+    """Run one trial here (the bench runs this in a child process); returns what happened."""
+    import yaml
+
+    from dynatrain.controller.core import JobFailed
+    from dynatrain.controller.job import load_job
+    from dynatrain.controller.local import LocalRunner
+    from dynatrain.controller.policy import Policy
+    from dynatrain.controller.scenario import Event, Scenario
+    from dynatrain.controller.solver import PROFILES
+    from dynatrain.vps.layout import parse_layout
+
+    job_path = workdir / "job.yaml"
+    job_path.write_text(yaml.safe_dump(_manifest(spec)))
+    job = load_job(job_path)
+    events = []
+    env: dict[int, dict[str, str]] = {}
+    if spec.kind in ("step", "restart"):
+        events.append(Event(spec.at_step, "kill", workers=tuple(spec.victims)))
+    elif spec.kind in ("prepare", "transfer"):
+        events.append(Event(spec.at_step, "layout",
+                            layout=parse_layout(SWITCH_TO[spec.layout])))
+        point = "prepare,skip:1" if spec.kind == "prepare" else "transfer"
+        env[spec.victims[0]] = {"DYNATRAIN_FAULT": f"device:{spec.victims[0]},at:{point}"}
+    dumps = workdir / "dumps"
+    common = {"DYNATRAIN_DUMP_RESTORED": str(dumps), "DYNATRAIN_FAULT_LOG":
+              str(workdir / "faults.jsonl")}
+    if spec.dump_steps:
+        common["DYNATRAIN_DUMP_STEPS"] = ",".join(map(str, spec.dump_steps))
+    lines: list[str] = []
+    runner = LocalRunner(job, str(job_path), Scenario(4, tuple(events)), run_dir=workdir / "run",
+                         profile=PROFILES["cpu"], policy=Policy(cooldown_s=1e9),
+                         out=lines.append, restart_on_failure=spec.kind == "restart",
+                         worker_env={d: {**common, **env.get(d, {})} for d in range(8)})
+    # Layout fixed at start (auto mode would re-plan after the start); recoveries pick freely.
+    runner.controller.request_layout(parse_layout(spec.layout))
+    out: dict = {"log": lines}
+    try:
+        result = runner.run()
+    except JobFailed as e:
+        out.update(outcome="clean_failure", message=str(e))
+        return out
+    out.update(outcome="finished", steps=result.steps,
+               exactly_once=result.samples_exactly_once,
+               recoveries=[r.summary() | {"generation": r.generation} for r in result.recoveries],
+               first_step_end={str(k): v for k, v in runner.controller.first_step_end.items()},
+               kills=[{"device": d, "time": t} for d, t in runner.kills],
+               faults=_read_jsonl(workdir / "faults.jsonl"),
+               restarts=[{"step": s, "time": t} for s, t in runner.restarts])
+    return out
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- the bench ----------------------------------------------------------------------------------
+def plan_trials(n: int, seed: int, steps: int) -> list[TrialSpec]:
+    """A reproducible mix: every kind and layout, kills between the first checkpoint and a few
+    steps before the end; every fifth step-kill takes a worker and its buddy together."""
+    from dynatrain.trainer.redundancy import buddy_map
+    from dynatrain.vps.layout import parse_layout
+
+    rng = random.Random(seed)
+    trials = []
+    for i in range(n):
+        kind = KINDS[i % len(KINDS)]
+        layout = LAYOUTS[(i // len(KINDS)) % len(LAYOUTS)]
+        victim = rng.randrange(4)
+        victims = [victim]
+        if kind == "step" and i % 5 == 4:
+            lay = parse_layout(layout).with_devices(range(4))
+            victims.append(buddy_map(lay)[victim])
+        trials.append(TrialSpec(i, kind, layout, sorted(set(victims)),
+                                at_step=rng.randrange(3, steps - 5), steps=steps))
+    return trials
+
+
+def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float) -> tuple[dict | None, float]:
+    workdir = root / f"trial-{spec.index}-{spec.kind}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "spec.json").write_text(json.dumps(asdict(spec)))
+    t0 = time.monotonic()
+    with open(workdir / "trial.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.bench_chaos", "trial",
+                                 str(workdir)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            return None, time.monotonic() - t0
+    path = workdir / "result.json"
+    if not path.exists():
+        return {"outcome": "error", "message": f"trial process exited with {proc.returncode}; "
+                f"see {workdir / 'trial.log'}"}, time.monotonic() - t0
+    return json.loads(path.read_text()), time.monotonic() - t0
+
+
+def _load_states(paths: list[Path]):
+    import torch
+
+    from dynatrain.trainer.state import assemble_full
+    from dynatrain.trainer.trainer import LocalState
+    from dynatrain.vps.presets import PRESETS
+
+    states = []
+    for p in paths:
+        d = torch.load(p, weights_only=False)
+        states.append(LocalState(d["tensors"], d["step"], d["data_position"]))
+    return assemble_full(PRESETS["gpt-tiny"], states)
+
+
+def _judge(spec: TrialSpec, raw: dict | None, seconds: float, root: Path) -> TrialResult:
+    r = TrialResult(spec.index, spec.kind, spec.layout, spec.victims, seconds=seconds)
+    if raw is None:
+        r.outcome, r.message = "hung", f"no result within the trial's time limit ({seconds:.0f} s)"
+        return r
+    if raw["outcome"] != "finished":
+        r.outcome, r.message = raw["outcome"], raw.get("message", "")
+        return r
+    r.steps = raw["steps"]
+    kill_times = [k["time"] for k in raw["kills"]] + [f["time"] for f in raw["faults"]]
+    if spec.kind == "restart":
+        if not raw["restarts"] or not kill_times:
+            r.outcome, r.message = "error", "no restart happened"
+            return r
+        step, _ = raw["restarts"][0]["step"], raw["restarts"][0]["time"]
+        r.restored_step, r.restored_from = step, "restart"
+        ends = [t for t in raw["first_step_end"].values() if t > min(kill_times)]
+        r.mttr_seconds = min(ends) - min(kill_times) if ends else None
+        r.outcome = "recovered"
+        return r
+    if not raw["recoveries"]:
+        r.outcome, r.message = "error", ("the job finished without a recovery (the kill did not "
+                                         "land)" if not kill_times else "no recovery recorded")
+        return r
+    rec = raw["recoveries"][0]
+    r.restored_step = rec["step"]
+    r.new_layout = rec["to"]
+    r.restored_from = "checkpoint" if rec["phases"].get("from_checkpoint") else "memory"
+    end = raw["first_step_end"].get(str(rec["generation"]))
+    if end is not None and kill_times:
+        r.mttr_seconds = end - min(kill_times)
+    if not raw["exactly_once"] or r.steps != spec.steps:
+        r.outcome = "corrupted"
+        r.message = f"finished at step {r.steps} of {spec.steps}; samples exactly once: " \
+                    f"{raw['exactly_once']}"
+        return r
+    r.outcome = "recovered"   # the state check comes after the reference runs
+    return r
+
+
+def _check_states(results: list[TrialResult], specs: list[TrialSpec], root: Path,
+                  timeout_s: float, say) -> None:
+    """Failure-free runs, one per initial layout, keep the states at the restored steps; each
+    recovered trial's restored state must equal them bit for bit."""
+    import torch
+
+    want: dict[str, set[int]] = {}
+    for r in results:
+        if r.outcome == "recovered" and r.kind != "restart":
+            want.setdefault(r.layout, set()).add(r.restored_step)
+    for n, (layout, steps) in enumerate(sorted(want.items())):
+        spec = TrialSpec(10_000 + n, "reference", layout, steps=specs[0].steps,
+                         dump_steps=sorted(steps))
+        say(f"reference run under {layout} (steps {sorted(steps)})")
+        raw, _ = _spawn_trial(spec, root, timeout_s)
+        ref_dir = root / f"trial-{spec.index}-reference" / "dumps"
+        for r in results:
+            if r.layout != layout or r.outcome != "recovered" or r.kind == "restart":
+                continue
+            if raw is None or raw["outcome"] != "finished":
+                r.outcome, r.message = "error", "the failure-free reference run failed"
+                continue
+            ref = _load_states(sorted(ref_dir.glob(f"step{r.restored_step}-rank*.pt")))
+            spec_r = next(s for s in specs if s.index == r.index)
+            dumps = root / f"trial-{spec_r.index}-{spec_r.kind}" / "dumps"
+            gen = min(int(p.name.split("-")[0][3:]) for p in dumps.glob("gen*-rank*.pt"))
+            got = _load_states(sorted(dumps.glob(f"gen{gen}-rank*.pt")))
+            bad = [k for k, t in ref.tensors.items()
+                   if k not in got.tensors or not torch.equal(t, got.tensors[k])]
+            if bad or (got.step, got.data_position) != (ref.step, ref.data_position):
+                r.outcome = "corrupted"
+                r.message = (f"restored state differs from the failure-free run at step "
+                             f"{r.restored_step}: {len(bad)} tensors differ (first: {bad[:1]}); "
+                             f"step/position {got.step}/{got.data_position} vs "
+                             f"{ref.step}/{ref.data_position}")
+
+
+def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: int = 3,
+                timeout_s: float = 240.0, keep: str | None = None, say=print) -> dict:
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dynatrain-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    specs = plan_trials(trials, seed, steps)
+    rng = random.Random(seed + 1)
+    specs += [TrialSpec(trials + i, "restart", "dp=2,pp=2", [rng.randrange(4)],
+                        at_step=rng.randrange(3, steps - 5), steps=steps, checkpoint_every=1)
+              for i in range(restart_trials)]
+    results = []
+    t0 = time.monotonic()
+    for spec in specs:
+        raw, seconds = _spawn_trial(spec, root, timeout_s)
+        r = _judge(spec, raw, seconds, root)
+        results.append(r)
+        say(f"trial {spec.index:>3} {spec.kind:<8} {spec.layout:<17} kill {spec.victims} at "
+            f"step {spec.at_step:>2}: {r.outcome}"
+            + (f", restored step {r.restored_step} ({r.restored_from}) -> {r.new_layout}"
+               if r.restored_step is not None else "")
+            + (f", MTTR {r.mttr_seconds:.2f} s" if r.mttr_seconds is not None else "")
+            + (f"  [{r.message.splitlines()[0][:160]}]" if r.message else ""))
+    _check_states(results, specs, root, timeout_s, say)
+    chaos = [r for r in results if r.kind != "restart"]
+    restart = [r.mttr_seconds for r in results if r.kind == "restart" and r.mttr_seconds]
+    mttr = [r.mttr_seconds for r in chaos if r.outcome == "recovered" and r.mttr_seconds]
+    from_memory = [r.mttr_seconds for r in chaos if r.outcome == "recovered"
+                   and r.restored_from == "memory" and r.mttr_seconds]
+    out = {"trials": len(chaos),
+           "recovered": sum(r.outcome == "recovered" for r in chaos),
+           "clean_failures": sum(r.outcome == "clean_failure" for r in chaos),
+           "hung": sum(r.outcome == "hung" for r in chaos),
+           "corrupted": sum(r.outcome == "corrupted" for r in chaos),
+           "errors": sum(r.outcome == "error" for r in chaos),
+           "recovered_from_memory": sum(r.outcome == "recovered" and r.restored_from == "memory"
+                                        for r in chaos),
+           "recovered_from_checkpoint": sum(r.outcome == "recovered"
+                                            and r.restored_from == "checkpoint" for r in chaos),
+           "mttr_seconds_median": statistics.median(mttr) if mttr else None,
+           "mttr_memory_seconds_median": statistics.median(from_memory) if from_memory else None,
+           "restart_mttr_seconds": statistics.median(restart) if restart else None,
+           "wall_seconds": time.monotonic() - t0,
+           "results": [asdict(r) for r in results]}
+    if out["mttr_memory_seconds_median"] and out["restart_mttr_seconds"]:
+        out["speedup"] = out["restart_mttr_seconds"] / out["mttr_memory_seconds_median"]
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser(
+        "chaos", help="kill workers at random points; every trial must recover exactly",
+        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: dynatrain bench chaos --trials 10 --json")
+    p.add_argument("--trials", type=int, default=10, help="chaos trials (default 10)")
+    p.add_argument("--restart-trials", type=int, default=3,
+                   help="checkpoint-and-restart trials, for comparison (default 3)")
+    p.add_argument("--steps", type=int, default=16, help="steps of each trial's job")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trial plan")
+    p.add_argument("--trial-timeout", type=float, default=240.0,
+                   help="seconds before a trial counts as hung (default 240)")
+    p.add_argument("--keep", metavar="DIR", help="keep every trial's logs and dumps in DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.set_defaults(func=run_bench_chaos)
+
+
+def run_bench_chaos(args) -> int:
+    from dynatrain.cli import UsageError
+
+    if args.trials < 1:
+        raise UsageError(f"--trials={args.trials} must be >= 1")
+    if args.steps < 10:
+        raise UsageError(f"--steps={args.steps} must be >= 10 (kills land in steps 3..steps-5)")
+    if args.restart_trials < 0:
+        raise UsageError(f"--restart-trials={args.restart_trials} must be >= 0")
+    out = bench_chaos(args.trials, seed=args.seed, steps=args.steps,
+                      restart_trials=args.restart_trials, timeout_s=args.trial_timeout,
+                      keep=args.keep, say=(lambda s: print(s, file=sys.stderr, flush=True))
+                      if args.json else print)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        brief = {k: v for k, v in out.items() if k != "results"}
+        print(json.dumps(brief, indent=2))
+    return 0 if out["hung"] == 0 and out["corrupted"] == 0 and out["errors"] == 0 else 1
+
+
+def _trial_main(workdir: str) -> int:
+    """Child process: run the trial in ``workdir`` and write ``result.json``."""
+    wd = Path(workdir)
+    spec = TrialSpec(**json.loads((wd / "spec.json").read_text()))
+    watchdog = threading.Timer(3600, lambda: os._exit(3))
+    watchdog.daemon = True
+    watchdog.start()
+    out = run_trial(spec, wd)
+    (wd / "result.json").write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "trial":
+        sys.exit(_trial_main(sys.argv[2]))
+    print("usage: python -m dynatrain.bench_chaos trial DIR (use `dynatrain bench chaos`)",
+          file=sys.stderr)
+    sys.exit(2)
