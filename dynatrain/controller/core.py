@@ -365,7 +365,7 @@ class JobController:
                 raise JobFailed(
                     f"devices {list(failed)} failed and no copy of their state survives in "
                     f"memory (their buddies are gone too, or spec.recovery.mirror is off), and "
-                    f"there is no checkpoint to fall back on (set spec.recovery.checkpoint."
+                    f"there is no checkpoint to fall back on (set spec.checkpoint."
                     f"intervalSteps); the job stops at step {self.progress.step}")
             self.log(f"recovering: no in-memory copy of the state of {list(failed)} survives; "
                      f"restarting {new.to_text()} from checkpoint {ckpt[1]} (step {ckpt[0]})")
