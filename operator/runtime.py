@@ -231,8 +231,12 @@ class JobRuntime:
         else:
             self._event("Normal", "Started", f"started {r.to_layout} on workers "
                         f"{list(c.members)}")
-        for d, w in workers.items():                  # switched off a doomed worker: free it
-            if d not in c.members and d in c.clients and w.doomed:
+        for d, w in workers.items():
+            if d in c.lost and d not in self.left:    # died without notice: replace its pod
+                self.left.add(d)
+                self._delete_pod(w.name)
+                continue
+            if d not in c.members and d in c.clients and w.doomed:   # switched off: free it
                 self.left.add(d)
                 c.remove_device(d)
                 self._delete_pod(w.name)

@@ -65,6 +65,8 @@ class JobController:
         self._seen: dict[int, int] = {}
         self.failed: set[int] = set()
         """Devices of the running layout that died without notice (recovery pending)."""
+        self.lost: list[int] = []
+        """Every device that ever failed (the operator replaces their pods)."""
         self.interrupted_since: float | None = None
         self.recoveries: list[SwitchRecord] = []
         self.first_step_end: dict[int, float] = {}
@@ -100,6 +102,7 @@ class JobController:
         if device in self.members and device not in self.failed:
             self.log(f"device {device} failed: {why}")
             self.failed.add(device)
+            self.lost.append(device)
         self.remove_device(device)
 
     def restart_from(self, checkpoint: str, step: int) -> None:

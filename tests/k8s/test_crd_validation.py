@@ -155,7 +155,11 @@ INVALID = [
     Case("checkpoint-no-claim", dropping("spec.checkpoint.claimName"),
          "spec.checkpoint.claimName", False),
     Case("checkpoint-interval-zero", setting("spec.checkpoint.intervalSteps", 0),
-         "spec.checkpoint.intervalSteps", False),
+         "spec.checkpoint.intervalSteps", True),
+    Case("checkpoint-keep-zero", setting("spec.checkpoint.keep", 0), "spec.checkpoint.keep",
+         True),
+    Case("recovery-mirror-not-bool", setting("spec.recovery", {"mirror": "yes"}),
+         "spec.recovery.mirror", True),
     Case("name-not-dns-label", setting("metadata.name", "7b.job"), "metadata.name", False),
 ]
 

@@ -263,3 +263,42 @@ def test_operator_restart_mid_switch(devcluster, kubectl, namespace, operator, t
         seen.add(s2.rank)
     assert seen == {0, 1, 2, 3}
     kubectl("delete", "dynatrainjob", "restart", "-n", namespace, "--wait=false")
+
+
+def test_a_worker_killed_without_notice_is_recovered_and_replaced(devcluster, kubectl, namespace,
+                                                                  operator, tmp_path):
+    op, pods = operator
+    core = devcluster.core()
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(_job("chaos", gpus=1, max_workers=4)))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    st = _wait("the job to run on 4 workers", lambda: (lambda s: s if s.get("phase") == "Running"
+                                                       and s.get("workers") == 4 else None)(
+        _get(custom, namespace, "chaos").get("status", {})), timeout=150)
+    victim = sorted(p.metadata.name for p in core.list_namespaced_pod(
+        namespace, label_selector="dynatrain.io/job=chaos").items)[1]
+    _wait(f"{victim}'s process", lambda: victim in pods.procs)
+    pods.procs[victim].proc.kill()               # no notice, no taint: the process is gone
+
+    def recovered():
+        last = _get(custom, namespace, "chaos").get("status", {}).get("lastSwitch", {})
+        return last if last.get("reason") == "failure" else None
+
+    last = _wait("a recovery switch", recovered, timeout=120)
+    assert last["result"] == "success"
+    reasons = [e.reason for e in _events(core, namespace, "chaos")]
+    assert "Switched" in reasons
+    # the dead worker's pod is replaced, and the job goes on training
+    _wait("the dead worker's pod to be deleted", lambda: not any(
+        p.metadata.name == victim and p.metadata.deletion_timestamp is None
+        for p in core.list_namespaced_pod(namespace,
+                                          label_selector="dynatrain.io/job=chaos").items))
+    _wait("training to go on after the recovery", lambda: _get(
+        custom, namespace, "chaos")["status"].get("step", 0) > last["step"] + 2, timeout=60)
+    m = op.metrics()
+    done = {dict(k[1]).get("reason"): v for k, v in m.items()
+            if k[0] == "dynatrain_switches_total" and dict(k[1]).get("result") == "success"}
+    assert done.get("failure", 0) >= 1, done
+    assert st["generation"] < _get(custom, namespace, "chaos")["status"]["generation"]
+    kubectl("delete", "dynatrainjob", "chaos", "-n", namespace, "--wait=false")
