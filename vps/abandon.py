@@ -16,7 +16,9 @@ One process runs one trainer, so the notice is process-wide.
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -25,6 +27,7 @@ class GenerationAbandoned(RuntimeError):
     """The running generation was abandoned (a member failed); its collectives are void."""
 
 
+SPIN_SECONDS = 50e-6
 _lock = threading.Lock()
 _reason: str | None = None
 _waiting: set[threading.Event] = set()
@@ -41,9 +44,12 @@ def abandon(reason: str) -> None:
 
 def reset() -> None:
     """Re-arm: the next generation's collectives wait normally again."""
-    global _reason
+    global _reason, _helper_thread
     with _lock:
         _reason = None
+        if _helper_thread is not None:   # it may be stuck in an abandoned wait: a fresh one
+            _helper_thread.jobs.put(None)
+            _helper_thread = None
 
 
 def abandoned() -> str | None:
@@ -66,7 +72,7 @@ def wait(work, timeout: timedelta | None = None):
     except RuntimeError:        # gloo's point-to-point works have no future
         future = None
     if future is not None:
-        if not work.is_completed():
+        if not _spin(work):
             _sleep_until(future.add_done_callback)
             if not work.is_completed():
                 check()
@@ -74,20 +80,58 @@ def wait(work, timeout: timedelta | None = None):
     # Without a future (gloo send/recv: is_completed() turns true only inside wait()), the
     # wait itself runs on a helper thread; an abandoned one is left there, blocked until
     # its peer's socket closes or the group's timeout ends it.
-    done: Future = Future()
-
-    def run():
-        try:
-            done.set_result(work.wait() if timeout is None else work.wait(timeout))
-        except BaseException as e:  # handed to the waiting thread
-            done.set_exception(e)
-
-    # A daemon thread: one stuck in an abandoned wait must not hold up the process's exit.
-    threading.Thread(target=run, name="dynatrain-wait", daemon=True).start()
+    done = _helper().submit(work, timeout)
     _sleep_until(done.add_done_callback)
     if not done.done():
         check()
     return done.result()
+
+
+def _spin(work) -> bool:
+    """Most collectives of a step finish within microseconds of being posted (the peers are
+    in step): look for that briefly before paying for a sleep and a wake-up."""
+    deadline = time.perf_counter() + SPIN_SECONDS
+    while True:
+        if work.is_completed():
+            return True
+        if time.perf_counter() > deadline:
+            return False
+
+
+class _Helper:
+    """One daemon thread that runs blocking waits in order. When a generation is abandoned it
+    may stay blocked in a dead wait, so :func:`reset` starts a new one for the next."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="dynatrain-wait", daemon=True).start()
+
+    def submit(self, work, timeout) -> Future:
+        done: Future = Future()
+        self.jobs.put((work, timeout, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            work, timeout, done = job
+            try:
+                done.set_result(work.wait() if timeout is None else work.wait(timeout))
+            except BaseException as e:  # handed to the waiting thread
+                done.set_exception(e)
+
+
+_helper_thread: _Helper | None = None
+
+
+def _helper() -> _Helper:
+    global _helper_thread
+    with _lock:
+        if _helper_thread is None:
+            _helper_thread = _Helper()
+        return _helper_thread
 
 
 def _sleep_until(add_done_callback) -> None:
