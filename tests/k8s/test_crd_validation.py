@@ -280,7 +280,7 @@ def test_defaults_are_applied(custom, namespace):
     stored = _create(custom, namespace, doc)["spec"]
     assert stored["agent"]["port"] == 50051
     assert stored["checkpoint"] == {"claimName": "gpt-ckpt", "path": "/checkpoints",
-                                    "intervalSteps": 1000}
+                                    "intervalSteps": 1000, "keep": 2}
     assert stored["parallelism"]["mode"] == "auto"
 
 
