@@ -60,6 +60,8 @@ class JobController:
         """Device -> monotonic deadline by which it must have left the running layout."""
         self.layout: Layout | None = None
         self.generation = 0
+        self.generation_running = 0
+        """The generation of :attr:`layout` (``generation`` counts every one started)."""
         self.switches: list[SwitchRecord] = []
         self.progress = Progress()
         self._seen: dict[int, int] = {}
@@ -163,6 +165,7 @@ class JobController:
         from dynatrain.vps.layout import parse_layout
 
         self.layout = parse_layout(lead.layout).with_devices(lead.devices)
+        self.generation_running = top
         for d in self.layout.device_of:
             if d in statuses:
                 self._seen[d] = statuses[d].step
@@ -186,6 +189,7 @@ class JobController:
             if bad:
                 raise JobFailed(f"finishing generation {g} after a restart failed: {bad}")
             old, self.layout = self.layout, new
+            self.generation_running = g
             self.metrics.set_layout(new)
             self.metrics.set_generation(g)
             return found + f"; finished the committed switch to generation {g} ({_text(old)} " \
@@ -325,11 +329,15 @@ class JobController:
                         f"{MAX_ATTEMPTS} times; last error: {last_error}")
 
     # -- recovery from unplanned failures ----------------------------------------------------------
-    def _recover(self) -> SwitchRecord:
+    def _recover(self) -> SwitchRecord | None:
         """Bring the job back after devices died without notice: a new layout over the
         devices left, started from the last step whose state survives in memory (every
         survivor's snapshot; the failed devices' unique state from their buddies' mirrors), or
         from the newest checkpoint when no in-memory copy survives."""
+        if self._reconcile() and not self.failed and self.interrupted_since is None:
+            self.metrics.set_layout(self.layout)
+            self.metrics.set_generation(self.generation_running)
+            return None                    # the survivors train on: nothing to recover
         old, failed = self.layout, tuple(sorted(self.failed & set(self.members)))
         t0 = time.monotonic()
         try:
@@ -413,6 +421,33 @@ class JobController:
                 self.progress.samples.append((start, start + per_rank))
             self._seen[d] = step
 
+    def _reconcile(self) -> bool:
+        """A switch the controller saw fail may have completed on every survivor (the device
+        that died had already done its part): then they run the new generation, and the
+        recovery starts from that, not from the layout the controller last recorded."""
+        from dynatrain.vps.layout import parse_layout
+
+        seen = []
+        for d in sorted(self.clients):
+            try:
+                st = self.clients[d].status(since_step=1 << 62)
+            except AgentCallError:
+                continue
+            if st.layout and st.state in (State.TRAINING, State.FINISHED, State.INTERRUPTED):
+                seen.append((st.generation, st.layout, tuple(st.devices)))
+        if not seen:
+            return False
+        generation, text, devices = max(seen)
+        if generation > self.generation_running and self.layout is not None \
+                and (text, devices) != (self.layout.to_text(), tuple(self.layout.device_of)):
+            new = parse_layout(text).with_devices(devices)
+            self.log(f"generation {generation} ({new.to_text()} on {list(devices)}) completed "
+                     "on the survivors; recovering from it")
+            self.failed = {d for d in self.failed if d in devices}
+            self.layout, self.generation_running = new, generation
+            return True
+        return False
+
     def _rewind(self, step: int) -> None:
         """Forget progress after ``step``: those steps are trained again."""
         p = self.progress
@@ -432,6 +467,7 @@ class JobController:
             except AgentCallError:
                 pass
         self.layout = new
+        self.generation_running = record.generation
         self.metrics.set_layout(new)
         self.metrics.set_generation(self.generation)
         self._report_workers()

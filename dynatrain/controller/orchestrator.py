@@ -182,19 +182,25 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
     pool = ThreadPoolExecutor(max_workers=max(1, len(members)))
     futures = [pool.submit(lambda d=d: clients[d].commit(generation, 0, timeout_s=timeout_s))
                for d in members]
+    misses: dict[int, int] = {}
     try:
         while True:
             done, pending = wait(futures, timeout=0.1)
             if not pending:
                 break
-            # Every device, answered or not: the one that died has usually answered already
-            # (its Commit failed), while the others wait on it.
-            for d in members:
-                try:
-                    clients[d].status(since_step=1 << 62)
-                except AgentCallError as e:
+            # The gRPC health check, not Status: a leaver exits once its last Status is read.
+            # A device that switched is not asked (it may be a leaver on its way out); one
+            # whose Commit failed is (the dead one usually has: the others wait on it).
+            for d, f in zip(members, futures):
+                if f.done() and f.exception() is None:
+                    continue
+                if clients[d].health():
+                    misses.pop(d, None)
+                    continue
+                misses[d] = misses.get(d, 0) + 1
+                if misses[d] >= 2:           # twice in a row: not a slow answer
                     raise SwitchFailed(f"device {d} stopped answering during the switch to "
-                                       f"generation {generation}: {e}", retryable=False) from e
+                                       f"generation {generation}", retryable=False)
         out = []
         for f in futures:
             try:
