@@ -171,7 +171,8 @@ def plan_trials(n: int, seed: int, steps: int) -> list[TrialSpec]:
     return trials
 
 
-def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float) -> tuple[dict | None, float]:
+def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float, *, keep: bool = False
+                 ) -> tuple[dict | None, float]:
     workdir = root / f"trial-{spec.index}-{spec.kind}"
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "spec.json").write_text(json.dumps(asdict(spec)))
@@ -186,6 +187,8 @@ def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float) -> tuple[dict | 
             os.killpg(proc.pid, 9)
             proc.wait()
             return None, time.monotonic() - t0
+    if not keep:       # the trial's checkpoints are not needed once it is over (disk)
+        shutil.rmtree(workdir / "run" / "checkpoints", ignore_errors=True)
     path = workdir / "result.json"
     if not path.exists():
         return {"outcome": "error", "message": f"trial process exited with {proc.returncode}; "
@@ -296,7 +299,7 @@ def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: 
     results = []
     t0 = time.monotonic()
     for spec in specs:
-        raw, seconds = _spawn_trial(spec, root, timeout_s)
+        raw, seconds = _spawn_trial(spec, root, timeout_s, keep=bool(keep))
         r = _judge(spec, raw, seconds, root)
         results.append(r)
         say(f"trial {spec.index:>3} {spec.kind:<8} {spec.layout:<17} kill {spec.victims} at "
