@@ -224,8 +224,7 @@ def _judge(spec: TrialSpec, raw: dict | None, seconds: float, root: Path) -> Tri
         if not raw["restarts"] or not kill_times:
             r.outcome, r.message = "error", "no restart happened"
             return r
-        step, _ = raw["restarts"][0]["step"], raw["restarts"][0]["time"]
-        r.restored_step, r.restored_from = step, "restart"
+        r.restored_step, r.restored_from = raw["restarts"][0]["step"], "restart"
         ends = [t for t in raw["first_step_end"].values() if t > min(kill_times)]
         r.mttr_seconds = min(ends) - min(kill_times) if ends else None
         r.outcome = "recovered"

@@ -390,7 +390,6 @@ class JobController:
             self.metrics.observe_switch("failure", "failed", {}, 0)
             raise JobFailed(f"recovery {_text(old)} -> {new.to_text()} failed: {e}") from e
         record.from_layout = _text(old)
-        record.prepare_seconds = max(record.prepare_seconds, 0.0)
         record.phases["recovery_seconds"] = time.monotonic() - t0
         record.phases["restored_step"] = record.step
         record.phases["lost_steps"] = max(0, lost_from - record.step)
