@@ -101,13 +101,15 @@ class Worker:
         self.last_switch = pb.SwitchReport()
         self.error = ""
         self.store = None
-        self.rendezvous = ""
         self.stopping = False
         self.left_read = threading.Event()
         self.tokens_per_second = 0.0
         self.redundancy: Redundancy | None = None
         self.checkpoint_dir = checkpoint_dir or job.recovery.checkpoint_dir
         self.checkpoint: tuple[str, int] | None = None
+        self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
+                           if x.strip()}
+        """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""
         self._graveyard: list = []
         """Groups of abandoned generations: never used again, never destroyed (tearing down
         a gloo group with a wait still stuck in it can block)."""
@@ -127,21 +129,26 @@ class Worker:
         except ValueError as e:
             raise InvalidRequest(f"layout {layout.to_text()!r} cannot run this job: {e}"
                                  ) from None
+        # A recovery, or a checkpoint start on a device that holds state, replaces the running
+        # generation without moving its live state: cut its collectives short now, so the
+        # training loop (or a transfer in flight) raises and waits, INTERRUPTED, for this one.
+        abandoning = recovery is not None or bool(checkpoint and self.layout is not None)
         if recovery is not None:
             self._check_restorable(recovery, old_layout)
-            # Cut the failed generation's collectives short now: the training loop (or a
-            # transfer in flight) raises and the worker waits, INTERRUPTED, for this switch.
-            abandon.abandon(f"generation {self.generation} abandoned: devices "
-                            f"{sorted(recovery.failed)} failed ({reason or 'recovery'})")
+        if abandoning:
+            why = (f"devices {sorted(recovery.failed)} failed" if recovery
+                   else f"restarting from checkpoint {checkpoint}")
+            abandon.abandon(f"generation {self.generation} abandoned: {why} "
+                            f"({reason or 'recovery'})")
             self._drop_uncommitted()
         with self.lock:
-            if recovery is not None:      # a switch in flight fails on the abandon: let it end
+            if abandoning:                # a switch in flight fails on the abandon: let it end
                 deadline = time.monotonic() + timeout_s
                 while (self.pending is not None and self.pending.commit_at is not None
                        and time.monotonic() < deadline):
                     self.wake.wait(0.05)
             bad = (State.LEFT, State.FAILED, State.FINISHED)
-            if self.state in bad or (self.state == State.SWITCHING and recovery is None):
+            if self.state in bad or (self.state == State.SWITCHING and not abandoning):
                 raise PreconditionFailed(f"device {self.device} is "
                                          f"{State.Name(self.state)}; it cannot prepare")
             if generation <= max(self.generation, self.highest_prepared):
@@ -335,7 +342,7 @@ class Worker:
         t = self.trainer
         if self.redundancy is not None:
             self.redundancy.snapshot(t.local_state())
-        if str(t.step) in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(","):
+        if t.step in self.dump_steps:
             _dump_state(t, f"step{t.step}")
         every = self.job.recovery.checkpoint_interval
         if every and self.checkpoint_dir and t.step % every == 0:
@@ -375,7 +382,7 @@ class Worker:
     def _switch(self, p: _Pending) -> None:
         with self.lock:
             self.state = State.SWITCHING
-        if p.recovery is not None:
+        if p.recovery is not None or p.checkpoint:
             abandon.reset()        # we are out of the failed generation's collectives now
         prepared: PreparedSwitch = p.future.result()
         groups, mirror_group = prepared.extra if prepared.extra is not None else (None, None)
@@ -499,7 +506,6 @@ class Worker:
         host, port = rendezvous.rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False,
                                    timeout=timedelta(seconds=timeout_s))
-        self.rendezvous = rendezvous
 
     def stop(self) -> None:
         """Ask the loop to end at the next step boundary. Safe in a signal handler: it takes
