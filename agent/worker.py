@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -42,7 +43,7 @@ from dynatrain.controller.job import JobSpec, load_job
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.redundancy import Redundancy
-from dynatrain.trainer.switch import switch
+from dynatrain.trainer.switch import preallocate, switch
 from dynatrain.trainer.trainer import Trainer, warm_up
 from dynatrain.vps import abandon
 from dynatrain.vps.generations import DeviceManager, PreparedSwitch
@@ -193,7 +194,9 @@ class Worker:
         future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
                              build_extra=build_extra, gpus_per_node=devices_per_node,
                              dead=recovery.failed if recovery else frozenset(),
-                             proxies=recovery.proxies if recovery else None)
+                             proxies=recovery.proxies if recovery else None,
+                             preallocate=(functools.partial(preallocate, device=self.device)
+                                          if self.torch_device.type == "cpu" else None))
         with self.lock:
             self.pending = _Pending(generation, layout, reason, future, timeout_s, staging_bytes,
                                     devices_per_node, old, recovery, checkpoint)

@@ -8,8 +8,9 @@ part, and construction can run in a background thread while the old world keeps 
 
 :meth:`DeviceManager.prepare` does all of a switch's work that does not need the training to
 stop, in the background: plan (the full plan, which every device computes identically), the
-round schedule, the transition group over old ∪ new devices, and, through a caller-supplied
-callback, the new layout's own groups. The training pause is then only the transfer.
+round schedule, the transition group over old ∪ new devices, and, through caller-supplied
+callbacks, the new layout's own groups and its preallocated local tensors. The training pause is
+then only the transfer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from . import faults
 from .layout import Layout
 from .model import ModelSpec
 from .planner import Plan, plan_switch
-from .transition import Message, schedule_rounds
+from .transition import Message, schedule_rounds, warm_up_regions
 
 
 class GenerationError(RuntimeError):
@@ -48,6 +49,11 @@ class PreparedSwitch:
     extra: object = None
     """Whatever the caller's callback built (the trainer's groups for the new layout)."""
     seconds: float = 0.0
+    preallocated: dict | None = None
+    """New local tensors allocated and touched in the background by the caller's
+    ``preallocate`` callback, for :func:`~dynatrain.vps.transition.execute_transition`."""
+    staging: object = None
+    """A staging buffer for the network rounds, allocated the same way (a uint8 tensor)."""
 
 
 class DeviceManager:
@@ -82,7 +88,9 @@ class DeviceManager:
     def prepare(self, generation: int, model: ModelSpec, old: Layout | None, new: Layout, *,
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
                 gpus_per_node: int = 8, dead: frozenset[int] = frozenset(),
-                proxies: dict[int, int] | None = None) -> "Future[PreparedSwitch]":
+                proxies: dict[int, int] | None = None,
+                preallocate: Callable[[PreparedSwitch], None] | None = None
+                ) -> "Future[PreparedSwitch]":
         """Start the background work of switching ``old`` -> ``new``; returns a future.
 
         ``build_extra(new_rank)`` runs on devices of the new layout, in the same thread, after
@@ -90,6 +98,8 @@ class DeviceManager:
         job's first generation: nothing moves, so there is no plan and no transition group.
         ``dead`` old devices (a recovery) are neither sources nor members of the transition
         group; ``proxies`` name the live devices that hold their mirrored state.
+        ``preallocate(prepared)`` runs last, on every device of a switch with a plan, to fill
+        in ``prepared.preallocated`` and ``prepared.staging`` ahead of the pause.
         """
         future: Future = Future()
 
@@ -105,13 +115,18 @@ class DeviceManager:
                     plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8,
                                        dead=dead, proxies=proxies or {})
                     rounds = schedule_rounds(plan, staging_bytes)
+                    warm_up_regions(plan, self.device)
                     members = sorted((set(old.device_of) | set(new.device_of)) - set(dead))
                     group = self.build_group(generation, "transition", members)
                     new_rank = plan.new.rank_of_device.get(self.device)
                 extra = build_extra(new_rank) if (build_extra and new_rank is not None) else None
-                future.set_result(PreparedSwitch(
+                prepared = PreparedSwitch(
                     generation, plan, rounds, group, {d: i for i, d in enumerate(members)},
-                    new_rank, extra, time.perf_counter() - t0))
+                    new_rank, extra)
+                if preallocate is not None and plan is not None:
+                    preallocate(prepared)
+                prepared.seconds = time.perf_counter() - t0
+                future.set_result(prepared)
             except BaseException as e:  # handed to whoever waits on the future
                 future.set_exception(e)
 

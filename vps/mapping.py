@@ -158,17 +158,25 @@ class RankShard(NamedTuple):
 
 def rank_shards(bound: BoundLayout, rank: int) -> list[RankShard]:
     """Everything ``rank`` holds under ``bound``: one entry per tensor and state, model order."""
+    return list(_rank_shards(bound.layout, bound.model, rank))
+
+
+@lru_cache(maxsize=64)
+def _rank_shards(layout, model, rank: int) -> tuple[RankShard, ...]:
+    # Cached: a switch asks for the new layout's shards in the background (preallocation) and
+    # again in the pause (the engine, the new trainer); the second time must cost nothing.
+    bound = BoundLayout(layout, model)
     stage, j, ti = bound.coords(rank)
     out = []
-    for t in bound.model.tensors:
+    for t in model.tensors:
         if stage not in bound.stages_of(t.layer, t.tied_to_last):
             continue
-        for state in model_states(bound.model):
-            for shard in shard_pattern(t, state, bound.layout):
+        for state in model_states(model):
+            for shard in shard_pattern(t, state, layout):
                 if (j, ti) in shard.holders:
                     out.append(RankShard(t, state, shard.pieces, shard.local_shape))
                     break
-    return out
+    return tuple(out)
 
 
 def shards(bound: BoundLayout) -> dict[int, list[RankShard]]:

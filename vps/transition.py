@@ -6,7 +6,10 @@ allocate the other new local tensors; do the local copies (no network);
 then the network rounds. Every device derives the same rounds from the same full plan
 (:func:`schedule_rounds`), so sends and receives always pair up and the schedule cannot
 deadlock: in a round each device posts all its sends and receives at once (one message per
-peer, that peer's regions packed into one contiguous staging buffer) and waits for them. Rounds
+peer, that peer's small regions packed into one contiguous staging buffer; regions of at least
+``direct_bytes`` travel as messages of their own, straight from the old tensor into the new one,
+because for them packing costs a whole extra copy on each side and saves one message's overhead
+of microseconds) and waits for them. Rounds
 are filled greedily so that no device stages more than ``staging_bytes`` (sent plus received)
 in one round; a single region larger than the budget travels alone. An old tensor is released
 as soon as its last reader (local copy or send) is done, so memory peaks near old + new +
@@ -19,6 +22,14 @@ buddies' host-memory backups). The plan then names it as the sender of the dead 
 both for local copies and for sends. Mirrors are never adopted and never released: they may be
 the last copy of a dead device's state, still needed if this switch fails and is retried.
 
+Two CPU costs need not sit in the training pause, and the caller may move them out: faulting
+in freshly allocated pages (the kernel zeroes each one, as dear as the copy into it), and handing
+freed pages back to the OS. ``preallocated`` takes new local tensors allocated and touched in the
+background beforehand (:meth:`DeviceManager.prepare`'s ``preallocate``); ``retired`` collects old
+tensors as their last reader finishes instead of dropping them, for :func:`free_in_background`
+after the switch. Both keep the peak within old + new + staging. (On a GPU neither costs much:
+the caching allocator neither faults nor unmaps.)
+
 Every wait has a timeout; a failure raises :class:`TransitionError` naming the round, the peer
 and what went wrong. The engine knows nothing about training: it moves (tensor, state) local
 tensors described by the mapping's pieces, on any process group whose ranks are devices.
@@ -27,8 +38,10 @@ tensors described by the mapping's pieces, on any process group whose ranks are 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -51,6 +64,10 @@ class TransitionConfig:
     """Most bytes a device stages (sent plus received) in one round."""
     checksums: bool = False
     """Append two 64-bit sums to every message and check them on arrival."""
+    direct_bytes: int = 1 * MiB
+    """Regions at least this large are sent unpacked, each as its own message, from and into
+    the tensors themselves (when contiguous). Checksums turn this off: they cover packed
+    buffers."""
     timeout: timedelta = field(default_factory=lambda: timedelta(
         seconds=float(os.environ.get("DYNATRAIN_TRANSITION_TIMEOUT_S", "60"))))
     """Longest wait for one round's messages (env DYNATRAIN_TRANSITION_TIMEOUT_S)."""
@@ -58,6 +75,8 @@ class TransitionConfig:
     def __post_init__(self) -> None:
         if self.staging_bytes < 1:
             raise ValueError(f"staging_bytes={self.staging_bytes} must be positive")
+        if self.direct_bytes < 1:
+            raise ValueError(f"direct_bytes={self.direct_bytes} must be positive")
 
 
 class Item(NamedTuple):
@@ -118,6 +137,36 @@ def schedule_rounds(plan: Plan, staging_bytes: int) -> list[list[Message]]:
     return rounds
 
 
+CHECKSUM_BYTES = 16
+_ALIGN = 64
+"""Messages start at multiples of this in the staging buffer, so any dtype can view them."""
+
+
+def _slot(nbytes: int) -> int:
+    """Staging bytes one message occupies: payload, room for its checksums, alignment."""
+    return -(-(nbytes + CHECKSUM_BYTES) // _ALIGN) * _ALIGN
+
+
+def _packed(msg: Message, direct_bytes: int | None) -> tuple[list[int], list[int]]:
+    """Indices of ``msg``'s items that are packed, and of those that travel direct. Both ends
+    decide from sizes alone, so they agree without asking."""
+    packed, direct = [], []
+    for j, it in enumerate(msg.items):
+        (direct if direct_bytes is not None and it.nbytes >= direct_bytes else packed).append(j)
+    return packed, direct
+
+
+def staging_need(rounds: list[list[Message]], device: int,
+                 direct_bytes: int | None = TransitionConfig.direct_bytes) -> int:
+    """Bytes of staging ``device`` packs into in its busiest round: the size of one buffer
+    that every round can reuse (``direct_bytes=None``: everything packed, as with checksums)."""
+    def slot(msg):
+        packed = _packed(msg, direct_bytes)[0]
+        return _slot(sum(msg.items[j].nbytes for j in packed)) if packed else 0
+    return max([sum(slot(m) for m in messages if device in (m.src, m.dst))
+                for messages in rounds] + [0])
+
+
 @dataclass
 class TransitionStats:
     seconds: float = 0.0
@@ -130,6 +179,8 @@ class TransitionStats:
     peak_staging_bytes: int = 0
     bytes_adopted: int = 0
     """Old local tensors kept as new ones without a copy."""
+    bytes_preallocated: int = 0
+    """New local tensors and staging that were allocated (and faulted in) before the switch."""
 
 
 def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
@@ -137,8 +188,32 @@ def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
     return local[tuple(slice(a, b) for a, b in piece.local)].reshape(box_extents(piece.box))
 
 
+@lru_cache(maxsize=1 << 16)
+def _region_index(piece, box) -> tuple[tuple[slice, ...], tuple[int, ...], tuple[slice, ...]]:
+    """How to index ``box`` of ``piece`` in a local tensor: local slices, the piece's shape,
+    slices of the box within it. Cached, and filled in before the pause by
+    :func:`warm_up_regions`, so the pause does no box arithmetic."""
+    return (tuple(slice(a, b) for a, b in piece.local), box_extents(piece.box),
+            tuple(slice(a, b) for a, b in relative(box, piece.box)))
+
+
 def _region(local: torch.Tensor, piece, box) -> torch.Tensor:
-    return piece_view(local, piece)[tuple(slice(a, b) for a, b in relative(box, piece.box))]
+    """The elements of ``box`` (global coordinates) inside ``piece`` of a local tensor."""
+    where, shape, inside = _region_index(piece, box)
+    return local[where].reshape(shape)[inside]
+
+
+def warm_up_regions(plan: Plan, device: int) -> None:
+    """Index every region ``device`` reads or writes in ``plan`` (for :func:`_region`)."""
+    for m in plan.copies + plan.transfers:
+        if device in (m.src, m.dst, m.src_owner):
+            _region_index(m.src_piece, m.box)
+            _region_index(m.dst_piece, m.box)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (a copy if it is not contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _checksum(buf: torch.Tensor) -> torch.Tensor:
@@ -153,8 +228,9 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                        config: TransitionConfig = TransitionConfig(),
                        torch_device: torch.device | None = None,
                        old_pieces: dict | None = None, new_pieces: dict | None = None,
-                       mirrored: dict[int, dict[tuple[str, str], torch.Tensor]] | None = None
-                       ) -> tuple[dict, TransitionStats]:
+                       mirrored: dict[int, dict[tuple[str, str], torch.Tensor]] | None = None,
+                       preallocated: dict | None = None, retired: list | None = None,
+                       staging: torch.Tensor | None = None) -> tuple[dict, TransitionStats]:
     """Run ``device``'s part of ``plan``.
 
     old: (tensor name, state) -> this device's old local tensor (empty for a joiner); entries
@@ -166,6 +242,11 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
     mirrored: dead device -> its old local tensors (same keys and shapes as its ``old`` would
     have had) that this device holds as its proxy; moves owned by that device read from there.
     Mirrors are only read, never adopted or released.
+    staging: a uint8 buffer of at least :func:`staging_need` bytes that every round packs its
+    sends into and receives into; without one (or if it is too small) one is allocated here.
+    preallocated: (tensor name, state) -> a tensor to use as that new local tensor (used when
+    its shape and dtype match; it is overwritten entirely). retired: if a list, released old
+    tensors are appended to it rather than dropped here (see the module docstring).
     Returns the new local tensors and statistics.
     """
     t0 = time.perf_counter()
@@ -191,6 +272,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
         return t
 
     new, adopted = {}, set()
+    preallocated = preallocated or {}
     for key, (shape, dtype) in new_shapes.items():
         t = old.get(key)
         if (t is not None and old_pieces is not None and new_pieces is not None
@@ -199,7 +281,13 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             new[key] = t
             adopted.add(key)
         else:
-            new[key] = torch.empty(shape, dtype=dtype, device=dev)
+            t = preallocated.get(key)
+            if (t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+                    and t.device == dev):
+                new[key] = t
+                stats.bytes_preallocated += t.numel() * t.element_size()
+            else:
+                new[key] = torch.empty(shape, dtype=dtype, device=dev)
     stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in adopted)
 
     # Last reader of each of our own old tensors: -1 = the local copies, r = network round r.
@@ -217,13 +305,18 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     if mv.src_owner == device:
                         last_use[(it.name, mv.state)] = r
 
+    def drop(key) -> None:
+        t = old.pop(key, None)
+        if retired is not None and t is not None and key not in adopted:
+            retired.append(t)
+
     def release(upto: int) -> None:
         for key in [k for k, r in last_use.items() if r <= upto]:
-            old.pop(key, None)
+            drop(key)
             del last_use[key]
 
     for key in [k for k in old if k not in last_use]:   # never read: free at once
-        old.pop(key)
+        drop(key)
 
     with torch.no_grad():
         for m in plan.copies:
@@ -240,32 +333,75 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
 
         t1 = time.perf_counter()
         faults.inject("transfer", device)
+        # One buffer for every round, faulted in once (or beforehand), rather than fresh
+        # buffers per round: each round's packed messages are slices of it.
+        direct_bytes = None if config.checksums else config.direct_bytes
+        need = staging_need(rounds, device, direct_bytes)
+        if need and (staging is None or staging.numel() < need or staging.device != dev):
+            staging = torch.empty(need, dtype=torch.uint8, device=dev)
+        elif need:
+            stats.bytes_preallocated += staging.numel()
+        extra = CHECKSUM_BYTES if config.checksums else 0
         for r, messages in enumerate(rounds):
             mine = [msg for msg in messages if device in (msg.src, msg.dst)]
             if not mine:
                 continue
             faults.inject("round", device, r)
             stats.rounds += 1
-            works, inbound, staged = [], [], 0
+            # A packed message has tag r << 16, the direct region j of it (r << 16) + 1 + j:
+            # both ends number them the same way.
+            works, inbound, unstaged, staged, offset = [], [], [], 0, 0
             for msg in mine:
+                packed, direct = _packed(msg, direct_bytes)
+                size = sum(msg.items[j].nbytes for j in packed)
+                tag = r << 16
                 if msg.src == device:
-                    parts = []
-                    for it in msg.items:
+                    stats.bytes_sent += msg.nbytes
+                    for j in direct:
+                        it = msg.items[j]
                         mv = plan.transfers[it.move]
                         region = _region(source(mv, it.name), mv.src_piece, mv.box)
-                        parts.append(region.contiguous().view(torch.uint8).reshape(-1))
-                    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+                        if not region.is_contiguous():
+                            region = region.contiguous()
+                            staged += it.nbytes
+                        works.append((msg, group.send([_as_bytes(region)], group_rank[msg.dst],
+                                                      tag + 1 + j)))
+                    if not packed:
+                        continue
+                    buf = staging[offset:offset + size + extra]
+                    offset += _slot(size)
+                    staged += size + extra
+                    parts = []
+                    for j in packed:
+                        it = msg.items[j]
+                        mv = plan.transfers[it.move]
+                        parts.append(_as_bytes(_region(source(mv, it.name), mv.src_piece,
+                                                       mv.box)))
+                    torch.cat(parts, out=buf[:size])
                     if config.checksums:
-                        buf = torch.cat([buf, _checksum(buf).view(torch.uint8)])
-                    works.append((msg, group.send([buf], group_rank[msg.dst], r)))
-                    stats.bytes_sent += msg.nbytes
-                    staged += buf.numel()
+                        buf[size:].copy_(_checksum(buf[:size]).view(torch.uint8))
+                    works.append((msg, group.send([buf], group_rank[msg.dst], tag)))
                 else:
-                    extra = 16 if config.checksums else 0
-                    buf = torch.empty(msg.nbytes + extra, dtype=torch.uint8, device=dev)
-                    works.append((msg, group.recv([buf], group_rank[msg.src], r)))
-                    inbound.append((msg, buf))
-                    staged += buf.numel()
+                    for j in direct:
+                        it = msg.items[j]
+                        mv = plan.transfers[it.move]
+                        dst = _region(new[(it.name, mv.state)], mv.dst_piece, mv.box)
+                        into = dst
+                        if not dst.is_contiguous():
+                            into = torch.empty(dst.shape, dtype=dst.dtype, device=dev)
+                            unstaged.append((dst, into))
+                            staged += it.nbytes
+                        works.append((msg, group.recv([_as_bytes(into)], group_rank[msg.src],
+                                                      tag + 1 + j)))
+                    if not packed:
+                        stats.bytes_received += msg.nbytes
+                        continue
+                    buf = staging[offset:offset + size + extra]
+                    offset += _slot(size)
+                    staged += size + extra
+                    works.append((msg, group.recv([buf], group_rank[msg.src], tag)))
+                    inbound.append((msg, packed, buf))
+                    stats.bytes_received += msg.nbytes - size
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
             for msg, work in works:
                 peer = msg.dst if msg.src == device else msg.src
@@ -276,24 +412,46 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     raise TransitionError(
                         f"device {device}: round {r} with device {peer} failed after up to "
                         f"{config.timeout.total_seconds():.0f} s: {e}") from e
-            for msg, buf in inbound:
+            for dst, into in unstaged:
+                dst.copy_(into)
+            for msg, packed, buf in inbound:
                 if config.checksums:
                     # The sums follow the payload, which need not be a multiple of 8 bytes
                     # (fp32 regions of odd length): copy them out to view them as int64.
-                    payload, tail = buf[:-16], buf[-16:].clone()
+                    payload = buf[:-CHECKSUM_BYTES]
+                    tail = buf[-CHECKSUM_BYTES:].clone()
                     if not torch.equal(_checksum(payload), tail.view(torch.int64)):
                         raise TransitionError(f"device {device}: checksum mismatch in the "
                                               f"message from device {msg.src} (round {r})")
                     buf = payload
-                offset = 0
-                for it in msg.items:
+                at = 0
+                for j in packed:
+                    it = msg.items[j]
                     mv = plan.transfers[it.move]
                     dst = _region(new[(it.name, mv.state)], mv.dst_piece, mv.box)
-                    chunk = buf[offset:offset + it.nbytes].view(dst.dtype).reshape(dst.shape)
-                    dst.copy_(chunk)
-                    offset += it.nbytes
-                stats.bytes_received += msg.nbytes
+                    dst.copy_(buf[at:at + it.nbytes].view(dst.dtype).reshape(dst.shape))
+                    at += it.nbytes
+                stats.bytes_received += sum(msg.items[j].nbytes for j in packed)
             release(r)
         stats.network_seconds = time.perf_counter() - t1
     stats.seconds = time.perf_counter() - t0
     return new, stats
+
+
+def free_in_background(tensors: list) -> threading.Thread:
+    """Drop ``tensors`` (the caller's last references) on a daemon thread, one at a time.
+
+    Returning a large CPU tensor's pages to the OS takes about as long as copying it; done here
+    it overlaps the next training step, whose torch kernels release the GIL. The list is emptied.
+    """
+    batch = list(tensors)
+    tensors.clear()
+
+    def run() -> None:
+        while batch:
+            batch.pop()
+            time.sleep(0)   # let the training thread take the GIL between frees
+
+    thread = threading.Thread(target=run, name="dynatrain-free-old-state", daemon=True)
+    thread.start()
+    return thread

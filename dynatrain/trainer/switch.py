@@ -3,24 +3,26 @@
 The trainer hands its local state to the transition engine and lets go of it (so the engine can
 free old tensors as their last reader finishes), the engine delivers the new layout's local
 tensors, and a new trainer continues from them, with the same step, data position and RNG
-state: the scalars travel from the lowest old device to every device over the transition group,
+state: the scalars travel from the lowest old device to every device in the commit all-reduce,
 so joiners, which held nothing, resume exactly where the old world stopped. Everything slow
-(plan, schedule, process groups) was done beforehand by ``DeviceManager.prepare``.
+(plan, schedule, process groups) was done beforehand by ``DeviceManager.prepare``, and on CPU so
+was allocating the new local tensors that cannot be adopted (:func:`preallocate`); the old
+tensors the switch lets go of are freed in the background once it is over.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from dynatrain.vps import abandon
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionStats,
-                                     execute_transition)
+                                     execute_transition, free_in_background, staging_need)
 
 from .config import TrainConfig
 from .trainer import LocalState, Trainer
@@ -36,44 +38,81 @@ class SwitchResult:
     pause_seconds: float
     transfer: TransitionStats
     phases: dict
-    """Seconds per phase of the pause: release (old state out), scalars, transfer, rebuild."""
+    """Seconds per phase of the pause: release (old state out), transfer (of which
+    local_copies and network), commit, rebuild."""
+    freeing: threading.Thread | None = None
+    """The thread freeing the old tensors after the pause (CPU), if any."""
 
 
-def _share_scalars(prepared: PreparedSwitch, device: int, state: LocalState | None,
-                   dev: torch.device) -> tuple[int, int, torch.Tensor]:
-    """(step, data position, RNG state) of the old world, on every device of the switch."""
-    # The lowest old device that is still here (in a recovery, the lowest survivor: every
-    # survivor restored the same step, data position and RNG).
+def new_local_shapes(prepared: PreparedSwitch) -> tuple[dict, dict]:
+    """(shapes, pieces) of this device's new local tensors, keyed (tensor name, state):
+    shapes[key] = (local shape, torch dtype). Empty on a device that leaves."""
+    shapes, pieces = {}, {}
+    if prepared.new_rank is not None:
+        for rs in rank_shards(prepared.plan.new, prepared.new_rank):
+            dtype = TORCH_DTYPES[rs.tensor.dtype] if rs.state == "param" else torch.float32
+            shapes[(rs.tensor.name, rs.state)] = (rs.local_shape, dtype)
+            pieces[(rs.tensor.name, rs.state)] = rs.pieces
+    return shapes, pieces
+
+
+def preallocate(prepared: PreparedSwitch, device: int,
+                config: TransitionConfig = TransitionConfig()) -> None:
+    """Allocate and touch, ahead of the pause, the new local tensors that the switch cannot
+    adopt from this device's old state, and the staging buffer of its network rounds (for
+    ``DeviceManager.prepare(preallocate=...)``; fills ``prepared.preallocated`` and
+    ``prepared.staging``).
+
+    A fresh CPU allocation faults its pages in on first write, and the kernel zeroes each one:
+    done during the pause, that doubles the cost of a local copy. The tensors are held from
+    prepare to the switch, so the peak stays old + new + staging; it comes earlier. CPU only:
+    on a GPU the caching allocator makes allocation cheap, and memory held early is memory
+    the training still needs.
+    """
+    shapes, pieces = new_local_shapes(prepared)
+    old_rank = prepared.plan.old.rank_of_device.get(device)
+    old_pieces = ({(rs.tensor.name, rs.state): rs.pieces
+                   for rs in rank_shards(prepared.plan.old, old_rank)}
+                  if old_rank is not None else {})
+    prepared.preallocated = {key: torch.zeros(shape, dtype=dtype)
+                             for key, (shape, dtype) in shapes.items()
+                             if old_pieces.get(key) != pieces[key]}
+    need = staging_need(prepared.rounds, device,
+                        None if config.checksums else config.direct_bytes)
+    prepared.staging = torch.zeros(need, dtype=torch.uint8) if need else None
+
+
+def _commit(prepared: PreparedSwitch, device: int, scalars: tuple | None,
+            dev: torch.device, config: TransitionConfig) -> tuple[int, int, torch.Tensor]:
+    """Every device of the switch says it is done, or every device learns the switch failed
+    (without this, a device that never talked to a dead peer would carry on alone); and every
+    device learns the old world's (step, data position, RNG state), which joiners lack, from
+    the lowest old device still here, in the same all-reduce: it adds 1 per device and the
+    root's scalars to everyone else's zeros. (In a recovery the root is the lowest survivor;
+    every survivor restored the same step, data position and RNG.)"""
     root_device = min(d for d in prepared.plan.old.device_of if d in prepared.group_rank)
-    root = prepared.group_rank[root_device]
-    buf = torch.zeros(2 + _RNG_BYTES, dtype=torch.int64)
-    if state is not None and prepared.group_rank[device] == root:
-        buf[0], buf[1] = state.step, state.data_position
-        buf[2:] = state.rng["cpu"].to(torch.int64)
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
+    buf = torch.zeros(3 + _RNG_BYTES, dtype=torch.int64)
+    buf[0] = 1
+    if device == root_device:
+        if scalars is None:     # nothing to share: vote "not done", so that nobody carries on
+            buf[0] = 0
+        else:
+            buf[1], buf[2] = scalars[0], scalars[1]
+            buf[3:] = scalars[2].to(torch.int64)
     buf = buf.to(dev)
     try:
-        abandon.wait(prepared.transition_group.broadcast([buf], opts))
-    except Exception as e:  # a peer died or timed out before the transfer began
-        raise TransitionError(f"device {device}: sharing step/data position/RNG from device "
-                              f"{root_device} failed: {e}") from e
-    buf = buf.cpu()
-    return int(buf[0]), int(buf[1]), buf[2:].to(torch.uint8)
-
-
-def _commit(prepared: PreparedSwitch, device: int, config: TransitionConfig) -> None:
-    """Every device of the switch says it is done, or every device learns the switch failed:
-    without this, a device that never talked to a dead peer would carry on alone."""
-    done = torch.ones(1)
-    try:
-        work = prepared.transition_group.allreduce([done])
-        if abandon.wait(work, config.timeout) is False or int(done) != len(prepared.group_rank):
-            raise TimeoutError("not every device completed")
+        work = prepared.transition_group.allreduce([buf])
+        if abandon.wait(work, config.timeout) is False:
+            raise TimeoutError("the commit all-reduce timed out")
+        if int(buf[0]) != len(prepared.group_rank):
+            raise TimeoutError(f"{int(buf[0])} of {len(prepared.group_rank)} devices completed"
+                               f" (device {root_device} shares step, data position and RNG)")
     except Exception as e:
         raise TransitionError(f"device {device}: the switch to generation "
                               f"{prepared.generation} did not complete on every device: {e}"
                               ) from e
+    buf = buf.cpu()
+    return int(buf[1]), int(buf[2]), buf[3:].to(torch.uint8)
 
 
 def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConfig, device: int,
@@ -93,31 +132,37 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     trainer = trainer_holder.pop() if trainer_holder else None
     state = trainer.local_state() if trainer is not None else restored
     del trainer, restored
-    t1 = time.perf_counter()
-    step, position, rng = _share_scalars(prepared, device, state, dev)
+    scalars = (state.step, state.data_position, state.rng["cpu"]) if state is not None else None
     old = {k: t for k, (t, _) in state.tensors.items()} if state is not None else {}
     old_pieces = {k: p for k, (_, p) in state.tensors.items()} if state is not None else {}
     del state
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
 
-    new_shapes, pieces = {}, {}
-    if prepared.new_rank is not None:
-        for rs in rank_shards(prepared.plan.new, prepared.new_rank):
-            dtype = TORCH_DTYPES[rs.tensor.dtype] if rs.state == "param" else torch.float32
-            new_shapes[(rs.tensor.name, rs.state)] = (rs.local_shape, dtype)
-            pieces[(rs.tensor.name, rs.state)] = rs.pieces
+    new_shapes, pieces = new_local_shapes(prepared)
+    # On CPU, old tensors are freed after the pause (see the module docstring); on a GPU,
+    # freeing is cheap and early frees keep the peak lower.
+    retired = [] if dev.type == "cpu" else None
     new, stats = execute_transition(prepared.plan, device, old, new_shapes,
                                     prepared.transition_group, prepared.group_rank,
                                     prepared.rounds, config, dev, old_pieces, pieces,
-                                    mirrored=mirrored)
-    _commit(prepared, device, config)
+                                    mirrored=mirrored, preallocated=prepared.preallocated,
+                                    retired=retired, staging=prepared.staging)
+    prepared.preallocated = prepared.staging = None   # new local tensors now, or garbage
+    t2 = time.perf_counter()
+    step, position, rng = _commit(prepared, device, scalars, dev, config)
     t3 = time.perf_counter()
-    phases = {"release": t1 - t0, "scalars": t2 - t1, "transfer": t3 - t2}
+    phases = {"release": t1 - t0, "transfer": t2 - t1, "local_copies": stats.copy_seconds,
+              "network": stats.network_seconds, "commit": t3 - t2}
+    del old
     if prepared.new_rank is None:
-        return SwitchResult(None, t3 - t0, stats, phases)
+        return SwitchResult(None, t3 - t0, stats, phases,
+                            free_in_background(retired) if retired else None)
     local = LocalState({k: (t, pieces[k]) for k, t in new.items()}, step, position,
                        {"cpu": rng})
     new_trainer = Trainer(new_config, prepared.extra, device=dev, state=local)
     t4 = time.perf_counter()
     phases["rebuild"] = t4 - t3
-    return SwitchResult(new_trainer, t4 - t0, stats, phases)
+    # Freed only now: the thread takes the GIL, which the rebuild above needs; the next
+    # training step's kernels leave it free most of the time.
+    return SwitchResult(new_trainer, t4 - t0, stats, phases,
+                        free_in_background(retired) if retired else None)

@@ -45,27 +45,37 @@ LAYOUTS = {
 }
 
 
-def check_switch(model, old, new):
+def check_switch(model, old, new, direct_bytes=None):
     r = bench_switch(make_config(model, old, **KW), make_config(model, new, **KW),
-                     steps_before=2, steps_after=2, timeout_s=300)
+                     steps_before=2, steps_after=2, timeout_s=300, direct_bytes=direct_bytes)
     assert r["bitwise_equal"], r
     assert r["loss_match"], (r["losses_after"], r["losses_restart"])
     assert r["switch_seconds"] < r["restart_seconds"]
+    # Whatever a switch has to move lands in memory allocated before the pause.
+    assert (r["bytes_preallocated"] > 0) == (r["bytes_network"] + r["bytes_copied"] > 0), r
     return r
 
 
-@pytest.mark.parametrize("model,old,new", NAMED, ids=[f"{m}:{a}->{b}" for m, a, b in NAMED])
-def test_named_transition_is_bit_exact(model, old, new):
-    check_switch(model, old, new)
+# The tiny models' regions are below the engine's default direct threshold (1 MiB), so every
+# other case lowers it to 1 KiB: both the packed and the direct path are checked bit-exact.
+DIRECT = [None if i % 2 else 1024 for i in range(len(NAMED))]
+
+
+@pytest.mark.parametrize("model,old,new,direct_bytes",
+                         [(*c, d) for c, d in zip(NAMED, DIRECT)],
+                         ids=[f"{m}:{a}->{b}{'' if d is None else ':direct'}"
+                              for (m, a, b), d in zip(NAMED, DIRECT)])
+def test_named_transition_is_bit_exact(model, old, new, direct_bytes):
+    check_switch(model, old, new, direct_bytes)
 
 
 @settings(max_examples=14, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(sorted(LAYOUTS)).flatmap(
     lambda m: st.tuples(st.just(m), st.sampled_from(LAYOUTS[m]), st.sampled_from(LAYOUTS[m]))
-    .filter(lambda c: c[1] != c[2])))
-def test_random_transition_is_bit_exact(case):
-    check_switch(*case)
+    .filter(lambda c: c[1] != c[2])), st.sampled_from([None, 1024]))
+def test_random_transition_is_bit_exact(case, direct_bytes):
+    check_switch(*case, direct_bytes)
 
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])

@@ -21,12 +21,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dynatrain.vps.layout import bind, parse_layout
-from dynatrain.vps.mapping import model_states, rank_shards
+from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.planner import PlanError, plan_switch
 from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.transition import (TransitionConfig, TransitionError, execute_transition,
                                       piece_view, schedule_rounds)
 from dynatrain.vps.verify import verify_plan
+from engine_state import box_of, cut, full_state
 
 DEVICES = 4  # one worker process per device id used by any case
 
@@ -70,33 +71,6 @@ def _layouts(case: Case):
     return model, old, new, frozenset(case.proxies)
 
 
-def _full_state(model, seed: int) -> dict:
-    """(tensor name, state) -> a random full tensor, the same in every process."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for t in model.tensors:
-        for state in model_states(model):
-            dtype = getattr(torch, model.dtype) if state == "param" else torch.float32
-            out[(t.name, state)] = torch.randn(t.shape, generator=gen).to(dtype)
-    return out
-
-
-def _box(full: torch.Tensor, box) -> torch.Tensor:
-    return full[tuple(slice(a, b) for a, b in box)]
-
-
-def _cut(bound, device: int, full: dict) -> tuple[dict, dict]:
-    """The old local tensors of ``device`` (and their pieces), cut from the full tensors."""
-    local, pieces = {}, {}
-    for rs in rank_shards(bound, bound.rank_of_device[device]):
-        key = (rs.tensor.name, rs.state)
-        t = torch.empty(rs.local_shape, dtype=full[key].dtype)
-        for piece in rs.pieces:
-            piece_view(t, piece).copy_(_box(full[key], piece.box))
-        local[key], pieces[key] = t, rs.pieces
-    return local, pieces
-
-
 def _run_case(index: int, case: Case, device: int, store) -> tuple:
     model, old, new, dead = _layouts(case)
     proxies = case.proxies
@@ -105,10 +79,10 @@ def _run_case(index: int, case: Case, device: int, store) -> tuple:
         return (index, device, "absent", {})
     plan = plan_switch(model, old, new, gpus_per_node=2, dead=dead, proxies=proxies)
     rounds = schedule_rounds(plan, STAGING)
-    full = _full_state(model, seed=index)
+    full = full_state(model, seed=index)
     ob, nb = bind(old, model), bind(new, model)
-    old_local, old_pieces = _cut(ob, device, full) if device in ob.rank_of_device else ({}, {})
-    mirrored = {d: _cut(ob, d, full)[0] for d, p in proxies.items() if p == device}
+    old_local, old_pieces = cut(ob, device, full) if device in ob.rank_of_device else ({}, {})
+    mirrored = {d: cut(ob, d, full)[0] for d, p in proxies.items() if p == device}
     mirror_before = {d: {k: t.clone() for k, t in m.items()} for d, m in mirrored.items()}
     new_shapes, new_pieces = {}, {}
     if device in nb.rank_of_device:
@@ -124,7 +98,7 @@ def _run_case(index: int, case: Case, device: int, store) -> tuple:
                                  timeout=timedelta(seconds=30)),
         old_pieces=old_pieces, new_pieces=new_pieces, mirrored=mirrored)
     wrong = [f"{key} piece {piece.box}" for key, pieces in new_pieces.items() for piece in pieces
-             if not torch.equal(piece_view(new_local[key], piece), _box(full[key], piece.box))]
+             if not torch.equal(piece_view(new_local[key], piece), box_of(full[key], piece.box))]
     wrong += [f"mirror of {d} changed: {k}" for d, m in mirrored.items() for k, t in m.items()
               if not torch.equal(t, mirror_before[d][k])]
     return (index, device, "; ".join(wrong[:5]) or "ok",
@@ -153,18 +127,18 @@ def test_a_proxy_that_takes_over_copies_from_the_mirror_without_network():
     model, old, new, dead = _layouts(case)
     plan = plan_switch(model, old, new, dead=dead, proxies=case.proxies)
     assert not plan.transfers and {m.owner for m in plan.copies} == {0, 1}
-    full = _full_state(model, seed=7)
+    full = full_state(model, seed=7)
     ob, nb = bind(old, model), bind(new, model)
     shapes = {(rs.tensor.name, rs.state): (rs.local_shape, full[(rs.tensor.name, rs.state)].dtype)
               for rs in rank_shards(nb, 0)}
-    new_local, stats = execute_transition(plan, 0, _cut(ob, 0, full)[0], shapes, None, {}, [],
-                                          mirrored={1: _cut(ob, 1, full)[0]})
+    new_local, stats = execute_transition(plan, 0, cut(ob, 0, full)[0], shapes, None, {}, [],
+                                          mirrored={1: cut(ob, 1, full)[0]})
     assert stats.bytes_sent == stats.bytes_received == 0 and new_local.keys() == full.keys()
     for key, t in new_local.items():
         assert torch.equal(t, full[key]), key
     with pytest.raises(TransitionError,
                        match=r"holds no mirror of device 1 .* mirrored=\{1: \.\.\.\}"):
-        execute_transition(plan, 0, _cut(ob, 0, full)[0], shapes, None, {}, [])
+        execute_transition(plan, 0, cut(ob, 0, full)[0], shapes, None, {}, [])
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
