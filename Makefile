@@ -28,13 +28,15 @@ test: setup
 	$(BIN)/python -m pytest
 
 # Figures, not pass/fail on timing: plan quality (bytes, exact), plan speed, the agent's and
-# the redundancy's cost on step time, recovery from killed workers vs checkpoint-and-restart.
+# the redundancy's cost on step time, recovery from killed workers vs checkpoint-and-restart,
+# the live switch's pause vs its floors and vs checkpoint-and-restart (gpt-125m, ~4 min).
 bench: setup
 	$(BIN)/python benchmarks/plan_quality.py
 	$(BIN)/python benchmarks/plan_speed.py
 	$(BIN)/python benchmarks/agent_overhead.py
 	$(BIN)/python benchmarks/redundancy_cost.py --model gpt-tiny --layout dp=2,zero=1 --steps 20
 	$(BIN)/dynatrain bench chaos --trials 10 --restart-trials 3
+	$(BIN)/python benchmarks/switch_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -154,9 +154,8 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     phases = {"release": t1 - t0, "transfer": t2 - t1, "local_copies": stats.copy_seconds,
               "network": stats.network_seconds, "commit": t3 - t2}
     del old
-    if prepared.new_rank is None:
-        return SwitchResult(None, t3 - t0, stats, phases,
-                            free_in_background(retired) if retired else None)
+    if prepared.new_rank is None:   # a leaver frees its old state on return: nobody waits
+        return SwitchResult(None, t3 - t0, stats, phases)
     local = LocalState({k: (t, pieces[k]) for k, t in new.items()}, step, position,
                        {"cpu": rng})
     new_trainer = Trainer(new_config, prepared.extra, device=dev, state=local)

@@ -38,8 +38,11 @@ def fault_worker(device, world, port, old_cfg, new_cfg, new_layout, victim, time
         os.environ["DYNATRAIN_FAULT"] = f"device:{device},round:0,mode:{mode}"
     t0 = time.perf_counter()
     try:
+        # "exit" sends the tiny model's regions direct (unpacked), "hang" packs them: a lost
+        # peer is caught on both paths.
         switch(holder, prepared, new_cfg, device,
                config=TransitionConfig(staging_bytes=1 << 20,
+                                       direct_bytes=1024 if mode == "exit" else 1 << 20,
                                        timeout=timedelta(seconds=timeout_s)))
         results.put(("completed", device, "", time.perf_counter() - t0))
     except TransitionError as e:
