@@ -301,7 +301,6 @@ class Worker:
 
     # -- the training loop (main thread) ----------------------------------------------------
     def run(self) -> int:
-        warm_up()
         while True:
             with self.lock:
                 if self.stopping:
@@ -582,6 +581,9 @@ def main(argv=None) -> int:
     metrics = Metrics(reasons=REASONS)
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
     worker = Worker(job, args.device, metrics=metrics, checkpoint_dir=args.checkpoint_dir)
+    # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
+    # and committed while still warming up would make every sender wait for it in the switch.
+    warm_up()
     server = serve(worker, host=args.host, port=args.agent_port, token_file=args.token_file,
                    insecure=args.insecure)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())

@@ -41,7 +41,7 @@ class SwitchResult:
     """Seconds per phase of the pause: release (old state out), transfer (of which
     local_copies and network), commit, rebuild."""
     freeing: threading.Thread | None = None
-    """The thread freeing the old tensors after the pause (CPU), if any."""
+    """The thread dropping the old process groups and (on CPU) old tensors after the pause."""
 
 
 def new_local_shapes(prepared: PreparedSwitch) -> tuple[dict, dict]:
@@ -131,6 +131,9 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     dev = torch_device or torch.device("cpu")
     trainer = trainer_holder.pop() if trainer_holder else None
     state = trainer.local_state() if trainer is not None else restored
+    # The old generation's process groups die with the trainer, unless held: tearing down a
+    # gloo group takes ~20 ms (it releases the GIL), so they go with the retired tensors.
+    old_groups = trainer.g if trainer is not None else None
     del trainer, restored
     scalars = (state.step, state.data_position, state.rng["cpu"]) if state is not None else None
     old = {k: t for k, (t, _) in state.tensors.items()} if state is not None else {}
@@ -142,6 +145,7 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     # On CPU, old tensors are freed after the pause (see the module docstring); on a GPU,
     # freeing is cheap and early frees keep the peak lower.
     retired = [] if dev.type == "cpu" else None
+    late = [old_groups]                 # dropped after the pause, on a thread
     new, stats = execute_transition(prepared.plan, device, old, new_shapes,
                                     prepared.transition_group, prepared.group_rank,
                                     prepared.rounds, config, dev, old_pieces, pieces,
@@ -156,6 +160,8 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     del old
     if prepared.new_rank is None:   # a leaver frees its old state on return: nobody waits
         return SwitchResult(None, t3 - t0, stats, phases)
+    late.extend(retired or [])
+    del old_groups, retired
     local = LocalState({k: (t, pieces[k]) for k, t in new.items()}, step, position,
                        {"cpu": rng})
     new_trainer = Trainer(new_config, prepared.extra, device=dev, state=local)
@@ -163,5 +169,4 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     phases["rebuild"] = t4 - t3
     # Freed only now: the thread takes the GIL, which the rebuild above needs; the next
     # training step's kernels leave it free most of the time.
-    return SwitchResult(new_trainer, t4 - t0, stats, phases,
-                        free_in_background(retired) if retired else None)
+    return SwitchResult(new_trainer, t4 - t0, stats, phases, free_in_background(late))
