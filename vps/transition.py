@@ -189,18 +189,27 @@ def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
 
 
 @lru_cache(maxsize=1 << 16)
-def _region_index(piece, box) -> tuple[tuple[slice, ...], tuple[int, ...], tuple[slice, ...]]:
-    """How to index ``box`` of ``piece`` in a local tensor: local slices, the piece's shape,
-    slices of the box within it. Cached, and filled in before the pause by
-    :func:`warm_up_regions`, so the pause does no box arithmetic."""
-    return (tuple(slice(a, b) for a, b in piece.local), box_extents(piece.box),
-            tuple(slice(a, b) for a, b in relative(box, piece.box)))
+def _region_index(piece, box) -> tuple:
+    """How to index ``box`` of ``piece`` in a local tensor: (local slices, their extents, the
+    shape to view them as or None if already so, slices of the box within the piece or None
+    for all of it). Cached, and filled in before the pause by :func:`warm_up_regions`, so the
+    pause does no box arithmetic; the Nones spare a view where a region is a whole tensor."""
+    where_shape = box_extents(piece.local)
+    shape = box_extents(piece.box)
+    inside = relative(box, piece.box)
+    whole = all(a == 0 and b == n for (a, b), n in zip(inside, shape))
+    return (tuple(slice(a, b) for a, b in piece.local), where_shape,
+            None if shape == where_shape else shape,
+            None if whole else tuple(slice(a, b) for a, b in inside))
 
 
 def _region(local: torch.Tensor, piece, box) -> torch.Tensor:
     """The elements of ``box`` (global coordinates) inside ``piece`` of a local tensor."""
-    where, shape, inside = _region_index(piece, box)
-    return local[where].reshape(shape)[inside]
+    where, where_shape, shape, inside = _region_index(piece, box)
+    view = local if local.shape == where_shape else local[where]  # equal: the whole tensor
+    if shape is not None:
+        view = view.reshape(shape)
+    return view if inside is None else view[inside]
 
 
 def warm_up_regions(plan: Plan, device: int) -> None:
