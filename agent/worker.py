@@ -411,7 +411,7 @@ class Worker:
                              config=TransitionConfig(staging_bytes=p.staging_bytes,
                                                      timeout=timedelta(seconds=p.timeout_s)),
                              torch_device=self.torch_device, restored=restored,
-                             mirrored=mirrored)
+                             mirrored=mirrored, graveyard=self._graveyard)
                 trainer, pause, phases = res.trainer, res.pause_seconds, dict(res.phases)
                 sent, received = res.transfer.bytes_sent, res.transfer.bytes_received
                 local = res.transfer.bytes_copied
@@ -430,6 +430,8 @@ class Worker:
                 self.trainer = None
                 if self.pending is p:
                     self.pending = None
+                # Its groups may have waits stuck in them (see _graveyard).
+                self._graveyard.append((prepared.transition_group, groups, mirror_group))
                 holds_state = self.redundancy is not None or old_layout is None
                 self.state = State.INTERRUPTED if holds_state else State.FAILED
                 self.error = f"switch to generation {p.generation} failed: {e}"

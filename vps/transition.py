@@ -41,8 +41,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from datetime import timedelta
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch

@@ -369,9 +369,15 @@ class Redundancy:
         return sum(s.buf.numel() for s in self._slots + self._mirror_slots)
 
     def close(self) -> None:
-        """Finish the exchange in flight, then drop every buffer."""
+        """Finish the exchange in flight, then drop every buffer.
+
+        An exchange that failed is not an error here: a generation is closed after a switch,
+        and after a recovery its buddy may be the device that died, with a mirror in flight
+        (the worker used to die of that, right after recovering)."""
         try:
             self.wait_mirror()                     # gloo may still be writing into a slot
+        except Exception:  # noqa: BLE001 - gloo is done with a failed op (and its Work
+            pass           # holds the buffers it used, so dropping ours is safe anyway)
         finally:
             self._slots, self._mirror_slots = [], []
             self._send, self._recv_slot = None, None

@@ -118,14 +118,16 @@ def _commit(prepared: PreparedSwitch, device: int, scalars: tuple | None,
 def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConfig, device: int,
            *, config: TransitionConfig = TransitionConfig(),
            torch_device: torch.device | None = None, restored: LocalState | None = None,
-           mirrored: dict | None = None) -> SwitchResult:
+           mirrored: dict | None = None, graveyard: list | None = None) -> SwitchResult:
     """Switch this device to ``new_config.layout`` at the current step boundary.
 
     ``trainer_holder`` is a one-element list holding the old trainer (or None on a joiner); it
     is emptied here, so that the old state is not kept alive by the caller during the transfer.
     In a recovery the old state is ``restored`` (a snapshot) instead of a live trainer's, and
     ``mirrored`` holds the old local tensors of failed devices this device mirrors (see
-    :func:`~dynatrain.vps.transition.execute_transition`).
+    :func:`~dynatrain.vps.transition.execute_transition`). If the switch fails, the old
+    trainer's process groups go to ``graveyard`` (when given) rather than being torn down: a
+    failed generation's groups may have a wait stuck in them.
     """
     t0 = time.perf_counter()
     dev = torch_device or torch.device("cpu")
@@ -146,14 +148,19 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     # freeing is cheap and early frees keep the peak lower.
     retired = [] if dev.type == "cpu" else None
     late = [old_groups]                 # dropped after the pause, on a thread
-    new, stats = execute_transition(prepared.plan, device, old, new_shapes,
-                                    prepared.transition_group, prepared.group_rank,
-                                    prepared.rounds, config, dev, old_pieces, pieces,
-                                    mirrored=mirrored, preallocated=prepared.preallocated,
-                                    retired=retired, staging=prepared.staging)
-    prepared.preallocated = prepared.staging = None   # new local tensors now, or garbage
-    t2 = time.perf_counter()
-    step, position, rng = _commit(prepared, device, scalars, dev, config)
+    try:
+        new, stats = execute_transition(prepared.plan, device, old, new_shapes,
+                                        prepared.transition_group, prepared.group_rank,
+                                        prepared.rounds, config, dev, old_pieces, pieces,
+                                        mirrored=mirrored, preallocated=prepared.preallocated,
+                                        retired=retired, staging=prepared.staging)
+        prepared.preallocated = prepared.staging = None   # new local tensors now, or garbage
+        t2 = time.perf_counter()
+        step, position, rng = _commit(prepared, device, scalars, dev, config)
+    except BaseException:
+        if graveyard is not None and old_groups is not None:
+            graveyard.append(old_groups)
+        raise
     t3 = time.perf_counter()
     phases = {"release": t1 - t0, "transfer": t2 - t1, "local_copies": stats.copy_seconds,
               "network": stats.network_seconds, "commit": t3 - t2}
