@@ -391,6 +391,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                         buf[size:].copy_(_checksum(buf[:size]).view(torch.uint8))
                     works.append((msg, group.send([buf], group_rank[msg.dst], tag)))
                 else:
+                    stats.bytes_received += msg.nbytes
                     for j in direct:
                         it = msg.items[j]
                         mv = plan.transfers[it.move]
@@ -403,14 +404,12 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                         works.append((msg, group.recv([_as_bytes(into)], group_rank[msg.src],
                                                       tag + 1 + j)))
                     if not packed:
-                        stats.bytes_received += msg.nbytes
                         continue
                     buf = staging[offset:offset + size + extra]
                     offset += _slot(size)
                     staged += size + extra
                     works.append((msg, group.recv([buf], group_rank[msg.src], tag)))
                     inbound.append((msg, packed, buf))
-                    stats.bytes_received += msg.nbytes - size
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
             for msg, work in works:
                 peer = msg.dst if msg.src == device else msg.src
@@ -440,7 +439,6 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     dst = _region(new[(it.name, mv.state)], mv.dst_piece, mv.box)
                     dst.copy_(buf[at:at + it.nbytes].view(dst.dtype).reshape(dst.shape))
                     at += it.nbytes
-                stats.bytes_received += sum(msg.items[j].nbytes for j in packed)
             release(r)
         stats.network_seconds = time.perf_counter() - t1
     stats.seconds = time.perf_counter() - t0

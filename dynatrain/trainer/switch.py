@@ -147,7 +147,7 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     # On CPU, old tensors are freed after the pause (see the module docstring); on a GPU,
     # freeing is cheap and early frees keep the peak lower.
     retired = [] if dev.type == "cpu" else None
-    late = [old_groups]                 # dropped after the pause, on a thread
+    late = [] if old_groups is None else [old_groups]   # dropped after the pause, on a thread
     try:
         new, stats = execute_transition(prepared.plan, device, old, new_shapes,
                                         prepared.transition_group, prepared.group_rank,
