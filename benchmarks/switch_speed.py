@@ -7,7 +7,8 @@ stages they did not hold. For each: the pause (``switch_seconds``); the issue's 
 (``floor_seconds``: the busiest device's network bytes at the bandwidth of one pair measured
 alone); the floor of this machine (``floor_concurrent_seconds``: every device moving the same
 bytes, local and network, by one memcpy and one message per peer, all at once, as they share
-its cores); the pause over the larger of the two; checkpoint-and-restart with PyTorch
+its cores; bytes that the engine carves rather than copies count as moved); the pause over
+the larger of the two; checkpoint-and-restart with PyTorch
 Distributed Checkpoint (``restart_seconds``) and the speedup; the bit-exactness checks; the
 memory growth during the switch against the issue's bound. Run:
 
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
                   f"{r['floor_seconds']:.3f} s  machine floor "
                   f"{r['floor_concurrent_seconds']:.3f} s  pause/floor {ratio}{restart}"
                   f"  bitwise {r['bitwise_equal']}  net {r['bytes_network'] / 2**20:.0f} MiB"
-                  f"  copied {r['bytes_copied'] / 2**20:.0f} MiB  adopted "
+                  f"  copied {r['bytes_copied'] / 2**20:.0f} MiB  carved "
+                  f"{r['bytes_carved'] / 2**20:.0f} MiB  adopted "
                   f"{r['bytes_adopted'] / 2**20:.0f} MiB  rss growth/bound worst "
                   f"{max(g / b for g, b in zip(r['rss_growth_bytes'], r['rss_growth_bound_bytes'])):.2f}",
                   flush=True)

@@ -51,6 +51,9 @@ def register(sub) -> None:
     p.add_argument("--direct-kib", type=int, default=1024, metavar="K",
                    help="regions of at least K KiB travel unpacked, each as its own message "
                         "(default 1024)")
+    p.add_argument("--no-carve", action="store_true",
+                   help="copy new tensors that are one block of an old one instead of making "
+                        "them views of it (CPU; for comparison)")
     p.add_argument("--no-baseline", action="store_true", help="skip checkpoint-and-restart")
     p.add_argument("--dump", metavar="DIR", help="write DIR/before.pt and DIR/after.pt")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
@@ -75,6 +78,7 @@ def run_bench_switch(args) -> int:
                           global_batch_size=args.global_batch_size)
     result = bench_switch(old_cfg, new_cfg, staging_bytes=args.staging_mib << 20,
                           checksums=args.checksums, direct_bytes=args.direct_kib << 10,
+                          carve=not args.no_carve,
                           baseline=not args.no_baseline,
                           dump=args.dump, timeout_s=args.timeout,
                           progress=None if args.json else print)
@@ -96,8 +100,11 @@ def _print_summary(r: dict) -> None:
           f"({r['bytes_network'] / 2**20:.1f} MiB on the network, busiest device "
           f"{r['max_rank_bytes'] / 2**20:.1f} MiB at {r['p2p_bytes_per_second'] / 2**30:.2f} GiB/s)")
     print(f"  floor, all devices at once {r['floor_concurrent_seconds']:.4f} s   "
-          f"(the same bytes, {r['bytes_copied'] / 2**20:.1f} MiB of them copied locally, "
-          "moved by one memcpy and one message per peer)")
+          f"(the same bytes, {(r['bytes_copied'] + r['bytes_carved']) / 2**20:.1f} MiB of "
+          "them local, moved by one memcpy and one message per peer)")
+    if r["bytes_carved"]:
+        print(f"  carved, not copied         {r['bytes_carved'] / 2**20:.1f} MiB   (new tensors "
+              "that are views of a block of an old one)")
     if r.get("pause_over_floor") is not None:
         print(f"  pause / floor              {r['pause_over_floor']:.2f}")
     else:
@@ -259,8 +266,11 @@ def _live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt
             sends[msg.dst] = sends.get(msg.dst, 0) + msg.nbytes
         if msg.dst == device:
             recvs[msg.src] = recvs.get(msg.src, 0) + msg.nbytes
+    # Carved bytes count as copied: the floor is of the plan's data movement, which carving
+    # avoids rather than does faster.
     floor_tries = _probe_floor(prepared.transition_group, prepared.group_rank, device,
-                               res.transfer.bytes_copied, sends, recvs)
+                               res.transfer.bytes_copied + res.transfer.bytes_carved,
+                               sends, recvs)
     bitwise, losses_after, new_bytes = True, [], 0
     if res.trainer is not None:
         got = res.trainer.local_state()
@@ -277,7 +287,8 @@ def _live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt
         "prepare": prepared.seconds, "save": save_s, "bandwidth": bandwidth,
         "floor_tries": floor_tries,
         "copied": res.transfer.bytes_copied, "adopted": res.transfer.bytes_adopted,
-        "preallocated": res.transfer.bytes_preallocated,
+        "preallocated": res.transfer.bytes_preallocated, "carved": res.transfer.bytes_carved,
+        "allocated": res.transfer.bytes_allocated,
         "bitwise": bitwise, "losses_before": losses_before, "losses_after": losses_after,
         "rss_before": rss_before, "peak_rss": peak, "old_bytes": old_bytes,
         "new_bytes": new_bytes, "sent": res.transfer.bytes_sent,
@@ -292,8 +303,10 @@ def _put_state(results, tag, st) -> None:
 
     import torch
 
+    from dynatrain.vps.transition import owned
+
     buf = io.BytesIO()
-    torch.save({k: (t.detach().cpu(), p) for k, (t, p) in st.tensors.items()}, buf)
+    torch.save({k: (owned(t.detach().cpu()), p) for k, (t, p) in st.tensors.items()}, buf)
     results.put((tag, buf.getvalue()))
 
 
@@ -340,7 +353,7 @@ def _collect(procs, results, expected: int, deadline: float, what: str) -> list:
 
 
 def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums: bool = False,
-                 direct_bytes: int | None = None,
+                 direct_bytes: int | None = None, carve: bool = True,
                  baseline: bool = True, dump: str | None = None, timeout_s: float = 600.0,
                  steps_before: int = STEPS_BEFORE, steps_after: int = STEPS_AFTER,
                  progress=None) -> dict:
@@ -373,8 +386,10 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
         procs = mp.start_processes(
             _live_worker, args=(world, store.port, old_cfg, new_cfg, new_layout,
                                 dict(staging_bytes=staging_bytes, checksums=checksums,
+                                     carve=carve,
                                      **({} if direct_bytes is None
-                                        else {"direct_bytes": direct_bytes})), ckpt, dump, threads, results, timeout_s,
+                                        else {"direct_bytes": direct_bytes})),
+                                ckpt, dump, threads, results, timeout_s,
                                 (steps_before, steps_after)),
             nprocs=world, join=False, start_method="spawn")
         expected = world + ((n_old + n_new) if dump else 0)
@@ -406,6 +421,10 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
             "bytes_network": stats.bytes_network, "bytes_local": stats.bytes_local,
             "bytes_adopted": sum(d["adopted"] for d in devices),
             "bytes_copied": sum(d["copied"] for d in devices),
+            "bytes_carved": sum(d["carved"] for d in devices),
+            # New tensors and staging allocated inside the pause (0 on CPU when every new
+            # tensor was adopted, carved or preallocated).
+            "bytes_allocated_in_pause": sum(d["allocated"] for d in devices),
             "max_rank_bytes": busiest,
             "peak_rss_bytes": [d["peak_rss"] for d in sorted(devices, key=lambda d: d["device"])],
             # New tensors allocated before the pause (preallocate) count as growth: they are
@@ -429,7 +448,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
             "restart_seconds": None, "speedup": None, "loss_match": None,
         }
         # Nothing to move (every new tensor adopted in place): no floor to compare with.
-        moved = out["bytes_network"] + out["bytes_copied"]
+        moved = out["bytes_network"] + out["bytes_copied"] + out["bytes_carved"]
         floor = max(out["floor_seconds"] or 0.0, out["floor_concurrent_seconds"])
         out["pause_over_floor"] = out["switch_seconds"] / floor if moved and floor else None
         out["rss_within_bound"] = all(

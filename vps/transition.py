@@ -22,6 +22,15 @@ buddies' host-memory backups). The plan then names it as the sender of the dead 
 both for local copies and for sends. Mirrors are never adopted and never released: they may be
 the last copy of a dead device's state, still needed if this switch fails and is retried.
 
+**Carving** (CPU; ``TransitionConfig.carve``, on by default): a new local tensor that one local copy would fill entirely
+from one contiguous block of this device's own old tensor (a row block of a replica that becomes
+a tensor-parallel shard, say) becomes a view of that block instead: no copy at all. The old
+tensor's other pages go back to the OS afterwards (``madvise(MADV_DONTNEED)``, on the freeing
+thread, after a successful switch), so memory ends where a copy would have left it. Carving
+needs the old tensor's memory to be this device's alone: any other tensor sharing its storage
+might read the pages given back, so such a tensor is copied as usual. (On a GPU a copy runs at
+memory bandwidth and the caching allocator could not give part of a block back.)
+
 Two CPU costs need not sit in the training pause, and the caller may move them out: faulting
 in freshly allocated pages (the kernel zeroes each one, as dear as the copy into it), and handing
 freed pages back to the OS. ``preallocated`` takes new local tensors allocated and touched in the
@@ -37,7 +46,10 @@ tensors described by the mapping's pieces, on any process group whose ranks are 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,6 +80,9 @@ class TransitionConfig:
     """Regions at least this large are sent unpacked, each as its own message, from and into
     the tensors themselves (when contiguous). Checksums turn this off: they cover packed
     buffers."""
+    carve: bool = True
+    """On CPU, make new local tensors that are one contiguous block of an old one views of it
+    (see the module docstring); where carving is unavailable this is ignored."""
     timeout: timedelta = field(default_factory=lambda: timedelta(
         seconds=float(os.environ.get("DYNATRAIN_TRANSITION_TIMEOUT_S", "60"))))
     """Longest wait for one round's messages (env DYNATRAIN_TRANSITION_TIMEOUT_S)."""
@@ -181,6 +196,10 @@ class TransitionStats:
     """Old local tensors kept as new ones without a copy."""
     bytes_preallocated: int = 0
     """New local tensors and staging that were allocated (and faulted in) before the switch."""
+    bytes_carved: int = 0
+    """New local tensors made views of old ones instead of copies (see carving)."""
+    bytes_allocated: int = 0
+    """New local tensors and staging allocated during the switch: none of the above."""
 
 
 def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
@@ -218,6 +237,79 @@ def warm_up_regions(plan: Plan, device: int) -> None:
         if device in (m.src, m.dst, m.src_owner):
             _region_index(m.src_piece, m.box)
             _region_index(m.dst_piece, m.box)
+
+
+# -- carving -----------------------------------------------------------------------------------
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+CARVING = sys.platform.startswith("linux") and _storage_use_count is not None
+"""Whether this platform can carve: it needs madvise to give pages back, and torch's storage
+use count to prove an old tensor's memory is unshared."""
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True) if CARVING else None
+if _libc is not None:
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def carvable(plan: Plan, device: int, new_pieces: dict) -> dict:
+    """(tensor name, state) -> the local copy that alone fills that new local tensor of
+    ``device`` from its own old tensor (the new tensor is one piece, and the copy's box is that
+    piece). Whether the block is contiguous in the old tensor is for :func:`carve` to say."""
+    out = {}
+    for m in plan.copies:
+        if m.dst != device or m.src_owner != device:
+            continue
+        for name in plan.groups[m.group].names:
+            pieces = new_pieces.get((name, m.state))
+            if pieces is not None and len(pieces) == 1 and pieces[0].box == m.box:
+                out[(name, m.state)] = m
+    return out
+
+
+def carve(old: torch.Tensor, move, shape, dtype) -> torch.Tensor | None:
+    """The new local tensor ``move`` fills, as a view of its block of ``old`` (not an autograd
+    view: nothing keeps ``old`` itself alive), or None if the block is not contiguous there.
+    Works on meta tensors too, to decide before the pause."""
+    if old.dtype != dtype:
+        return None
+    region = _region(old, move.src_piece, move.box)
+    if not region.is_contiguous():
+        return None
+    return region.reshape(shape).detach()
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor using its storage (the count includes the temporary
+    storage object this asks through)."""
+    return _storage_use_count(t.untyped_storage()._cdata) == 2
+
+
+class _Trim(NamedTuple):
+    """An old tensor that was carved: its bytes outside [keep_lo, keep_hi) (addresses) go back
+    to the OS, then it is dropped; the carved view keeps the allocation itself alive."""
+
+    tensor: torch.Tensor
+    keep_lo: int
+    keep_hi: int
+
+
+def _give_back(trim: _Trim) -> None:
+    """madvise(MADV_DONTNEED) the whole pages of the old tensor's storage outside the kept
+    block: they read as zeros afterwards, which nobody reads (:func:`_unshared`), and the
+    allocation is freed as usual when the carved tensor dies."""
+    storage = trim.tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    page = mmap.PAGESIZE
+    for lo, hi in ((start, trim.keep_lo), (trim.keep_hi, end)):
+        a, b = -(-lo // page) * page, hi // page * page
+        if b > a and _libc.madvise(a, b - a, _MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise({a:#x}, {b - a}, MADV_DONTNEED): {os.strerror(err)}")
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it if it shares a larger allocation (a carved tensor does):
+    torch.save writes a tensor's whole storage."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -289,7 +381,20 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                 and tuple(t.shape) == tuple(shape) and t.dtype == dtype):
             new[key] = t
             adopted.add(key)
-        else:
+    carved: dict = {}   # key -> where the kept block lies, for giving the rest back
+    if config.carve and CARVING and dev.type == "cpu" and new_pieces is not None:
+        for key, m in carvable(plan, device, new_pieces).items():
+            t = old.get(key)
+            if key in new or key not in new_shapes or t is None or not _unshared(t):
+                continue
+            view = carve(t, m, *new_shapes[key])
+            if view is not None:
+                new[key] = view
+                lo = view.data_ptr()
+                carved[key] = (lo, lo + view.numel() * view.element_size())
+                stats.bytes_carved += view.numel() * view.element_size()
+    for key, (shape, dtype) in new_shapes.items():
+        if key not in new:
             t = preallocated.get(key)
             if (t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype
                     and t.device == dev):
@@ -297,6 +402,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                 stats.bytes_preallocated += t.numel() * t.element_size()
             else:
                 new[key] = torch.empty(shape, dtype=dtype, device=dev)
+                stats.bytes_allocated += new[key].numel() * new[key].element_size()
     stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in adopted)
 
     # Last reader of each of our own old tensors: -1 = the local copies, r = network round r.
@@ -316,7 +422,15 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
 
     def drop(key) -> None:
         t = old.pop(key, None)
-        if retired is not None and t is not None and key not in adopted:
+        if t is None or key in adopted:
+            return
+        if key in carved:
+            trim = _Trim(t, *carved[key])
+            if retired is None:
+                _give_back(trim)
+            else:
+                retired.append(trim)
+        elif retired is not None:
             retired.append(t)
 
     def release(upto: int) -> None:
@@ -334,6 +448,8 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             for name in plan.groups[m.group].names:
                 if (name, m.state) in adopted and m.src_owner == device:
                     continue  # already in place: the old tensor is the new one
+                if (name, m.state) in carved:
+                    continue  # already in place: a view of the old tensor (its only writer)
                 _region(new[(name, m.state)], m.dst_piece, m.box).copy_(
                     _region(source(m, name), m.src_piece, m.box))
                 stats.bytes_copied += m.nbytes
@@ -348,6 +464,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
         need = staging_need(rounds, device, direct_bytes)
         if need and (staging is None or staging.numel() < need or staging.device != dev):
             staging = torch.empty(need, dtype=torch.uint8, device=dev)
+            stats.bytes_allocated += need
         elif need:
             stats.bytes_preallocated += staging.numel()
         extra = CHECKSUM_BYTES if config.checksums else 0
@@ -446,7 +563,8 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
 
 
 def free_in_background(objects: list) -> threading.Thread:
-    """Drop ``objects`` (the caller's last references) on a daemon thread, one at a time.
+    """Drop ``objects`` (the caller's last references) on a daemon thread, one at a time;
+    carved old tensors first give back their pages outside the carved block.
 
     Returning a large CPU tensor's pages to the OS takes about as long as copying it, and
     tearing down a gloo process group some 20 ms; done here, it overlaps the next training
@@ -457,7 +575,10 @@ def free_in_background(objects: list) -> threading.Thread:
 
     def run() -> None:
         while batch:
-            batch.pop()
+            item = batch.pop()
+            if isinstance(item, _Trim):
+                _give_back(item)
+            del item
             time.sleep(0)   # let the training thread take the GIL between frees
 
     thread = threading.Thread(target=run, name="dynatrain-free-old-state", daemon=True)

@@ -6,12 +6,16 @@ tensors, and a new trainer continues from them, with the same step, data positio
 state: the scalars travel from the lowest old device to every device in the commit all-reduce,
 so joiners, which held nothing, resume exactly where the old world stopped. Everything slow
 (plan, schedule, process groups) was done beforehand by ``DeviceManager.prepare``, and on CPU so
-was allocating the new local tensors that cannot be adopted (:func:`preallocate`); the old
-tensors the switch lets go of are freed in the background once it is over.
+was allocating the new local tensors that can be neither adopted nor carved (:func:`preallocate`);
+the old tensors the switch lets go of are freed, or for carved ones trimmed, in the background
+once it is over. The trainer must hold the only references to its tensors when it is handed
+over: a tensor still shared elsewhere cannot be carved, and is copied into memory allocated in
+the pause.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -21,8 +25,9 @@ import torch
 from dynatrain.vps import abandon
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.mapping import rank_shards
-from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionStats,
-                                     execute_transition, free_in_background, staging_need)
+from dynatrain.vps.transition import (CARVING, TransitionConfig, TransitionError,
+                                     TransitionStats, carvable, carve, execute_transition,
+                                     free_in_background, staging_need)
 
 from .config import TrainConfig
 from .trainer import LocalState, Trainer
@@ -58,10 +63,10 @@ def new_local_shapes(prepared: PreparedSwitch) -> tuple[dict, dict]:
 
 def preallocate(prepared: PreparedSwitch, device: int,
                 config: TransitionConfig = TransitionConfig()) -> None:
-    """Allocate and touch, ahead of the pause, the new local tensors that the switch cannot
-    adopt from this device's old state, and the staging buffer of its network rounds (for
-    ``DeviceManager.prepare(preallocate=...)``; fills ``prepared.preallocated`` and
-    ``prepared.staging``).
+    """Allocate and touch, ahead of the pause, the new local tensors that the switch can
+    neither adopt nor carve from this device's old state, and the staging buffer of its
+    network rounds (for ``DeviceManager.prepare(preallocate=...)``; fills
+    ``prepared.preallocated`` and ``prepared.staging``).
 
     A fresh CPU allocation faults its pages in on first write, and the kernel zeroes each one:
     done during the pause, that doubles the cost of a local copy. The tensors are held from
@@ -71,12 +76,20 @@ def preallocate(prepared: PreparedSwitch, device: int,
     """
     shapes, pieces = new_local_shapes(prepared)
     old_rank = prepared.plan.old.rank_of_device.get(device)
-    old_pieces = ({(rs.tensor.name, rs.state): rs.pieces
+    old_shards = ({(rs.tensor.name, rs.state): rs
                    for rs in rank_shards(prepared.plan.old, old_rank)}
                   if old_rank is not None else {})
+    # What the engine will adopt or carve needs no new memory; meta tensors of the old local
+    # shapes tell which blocks are contiguous without touching the real ones.
+    skip = {key for key, rs in old_shards.items() if key in pieces and rs.pieces == pieces[key]}
+    if config.carve and CARVING:
+        for key, move in carvable(prepared.plan, device, pieces).items():
+            rs = old_shards.get(key)
+            if rs is not None and carve(torch.empty(rs.local_shape, dtype=shapes[key][1],
+                                                    device="meta"), move, *shapes[key]) is not None:
+                skip.add(key)
     prepared.preallocated = {key: torch.zeros(shape, dtype=dtype)
-                             for key, (shape, dtype) in shapes.items()
-                             if old_pieces.get(key) != pieces[key]}
+                             for key, (shape, dtype) in shapes.items() if key not in skip}
     need = staging_need(prepared.rounds, device,
                         None if config.checksums else config.direct_bytes)
     prepared.staging = torch.zeros(need, dtype=torch.uint8) if need else None
@@ -128,7 +141,25 @@ def switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConf
     :func:`~dynatrain.vps.transition.execute_transition`). If the switch fails, the old
     trainer's process groups go to ``graveyard`` (when given) rather than being torn down: a
     failed generation's groups may have a wait stuck in them.
+
+    Python's cyclic garbage collector is held off for the pause: a full collection over
+    torch's object graph takes tens of milliseconds and would otherwise land in it at random.
     """
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _switch(trainer_holder, prepared, new_config, device, config=config,
+                       torch_device=torch_device, restored=restored, mirrored=mirrored,
+                       graveyard=graveyard)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainConfig,
+            device: int, *, config: TransitionConfig, torch_device: torch.device | None,
+            restored: LocalState | None, mirrored: dict | None,
+            graveyard: list | None) -> SwitchResult:
     t0 = time.perf_counter()
     dev = torch_device or torch.device("cpu")
     trainer = trainer_holder.pop() if trainer_holder else None

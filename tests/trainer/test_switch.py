@@ -53,6 +53,10 @@ def check_switch(model, old, new, direct_bytes=None):
     assert r["switch_seconds"] < r["restart_seconds"]
     # Whatever a switch has to move lands in memory allocated before the pause.
     assert (r["bytes_preallocated"] > 0) == (r["bytes_network"] + r["bytes_copied"] > 0), r
+    # ... and nothing new is allocated in it: every new tensor is adopted, carved (a view of a
+    # block of its old tensor, which needs that tensor to be unshared: a leftover reference to
+    # the old trainer would show here) or preallocated.
+    assert r["bytes_allocated_in_pause"] == 0, r
     return r
 
 
@@ -76,6 +80,19 @@ def test_named_transition_is_bit_exact(model, old, new, direct_bytes):
     .filter(lambda c: c[1] != c[2])), st.sampled_from([None, 1024]))
 def test_random_transition_is_bit_exact(case, direct_bytes):
     check_switch(*case, direct_bytes)
+
+
+def test_dp_to_tp_carves_row_blocks_and_copies_the_strided_rest():
+    """A replica becoming a TP shard: column-parallel weights (a row block of the old tensor)
+    become views of it, row-parallel ones (strided) are copied; exact either way, and within
+    the memory bound, which counts the old tensors' pages given back."""
+    r = check_switch("gpt-tiny", "dp=2", "tp=2")
+    assert r["bytes_carved"] > 0 and r["bytes_copied"] > 0, r
+    assert r["rss_within_bound"], r
+    off = bench_switch(make_config("gpt-tiny", "dp=2", **KW), make_config("gpt-tiny", "tp=2", **KW),
+                       steps_before=2, steps_after=2, timeout_s=300, baseline=False, carve=False)
+    assert off["bitwise_equal"] and off["bytes_carved"] == 0, off
+    assert off["bytes_copied"] == r["bytes_copied"] + r["bytes_carved"], (off, r)
 
 
 @pytest.mark.parametrize("mode", ["exit", "hang"])

@@ -3,7 +3,8 @@
 Preallocated new tensors are used as the new local tensors (and only when they fit); retired
 old tensors are collected instead of freed, and freed later on a thread; the staging buffer is
 sized for what is packed, not for what travels direct; region indexing is done before the
-pause. The multi-process checks (bit-exact switches with the direct path on and off) are in
+pause; new tensors that are a contiguous block of an unshared old tensor are carved from it
+(views, no copy) and the rest of its pages go back to the OS. The multi-process checks (bit-exact switches with the direct path on and off) are in
 test_switch.py.
 """
 
@@ -20,7 +21,7 @@ from dynatrain.vps.planner import plan_switch
 from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.transition import (Item, Message, TransitionConfig, execute_transition,
                                       free_in_background, staging_need, warm_up_regions)
-from engine_state import cut, full_state
+from engine_state import box_of, cut, full_state
 
 
 def _local_switch():
@@ -106,3 +107,95 @@ def test_staging_holds_only_what_is_packed():
 def test_direct_threshold_must_be_positive():
     with pytest.raises(ValueError, match="direct_bytes=0 must be positive"):
         TransitionConfig(direct_bytes=0)
+
+
+# -- carving ----------------------------------------------------------------------------------
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * transition.mmap.PAGESIZE
+
+
+def _replica_to_tp(model="gpt-tiny"):
+    """Old dp=2, new tp=2, both on devices 0 and 1: device 0 keeps a tensor-parallel half of
+    its full replica (local copies only, nothing on the network for it)."""
+    spec = PRESETS[model]
+    old = parse_layout("dp=2").with_devices([0, 1])
+    new = parse_layout("tp=2").with_devices([0, 1])
+    plan = plan_switch(spec, old, new)
+    full = full_state(spec, seed=5)
+    ob, nb = bind(old, spec), bind(new, spec)
+    shapes = {(rs.tensor.name, rs.state): (rs.local_shape, full[(rs.tensor.name, rs.state)].dtype)
+              for rs in rank_shards(nb, 0)}
+    pieces = {(rs.tensor.name, rs.state): rs.pieces for rs in rank_shards(nb, 0)}
+    old_t, old_pieces = cut(ob, 0, full)
+    assert not [m for m in plan.transfers if 0 in (m.src, m.dst)]
+    return plan, full, shapes, pieces, old_t, old_pieces
+
+
+@pytest.mark.skipif(not transition.CARVING, reason="carving needs Linux madvise and torch's "
+                    "storage use count; this platform copies instead")
+def test_row_blocks_are_carved_and_the_rest_of_the_old_pages_go_back():
+    plan, full, shapes, pieces, old, old_pieces = _replica_to_tp()
+    # Row-parallel tensors (a column block of each row) are strided: those are copied.
+    blocks = {k for k, m in transition.carvable(plan, 0, pieces).items()
+              if transition.carve(old[k], m, *shapes[k]) is not None
+              and old_pieces[k] != pieces[k]}         # not adopted whole
+    assert 0 < len(blocks) < len(shapes)
+    spans = {k: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for k, t in old.items()}
+    originals = dict(old)
+    retired = []
+    new, stats = execute_transition(plan, 0, old, shapes, None, {}, [],
+                                    TransitionConfig(carve=True), old_pieces=old_pieces,
+                                    new_pieces=pieces, retired=retired)
+    carved = [k for k, t in new.items()
+              if spans[k][0] <= t.data_ptr() < spans[k][1] and t is not originals[k]]
+    del originals
+    assert set(carved) == blocks
+    assert stats.bytes_carved == sum(new[k].numel() * new[k].element_size() for k in carved)
+    assert stats.bytes_copied > 0 and stats.bytes_carved > 0
+    for key, t in new.items():
+        assert not t._is_view(), key       # nothing keeps the whole old tensor object alive
+        assert torch.equal(t, box_of(full[key], pieces[key][0].box)
+                           .reshape(t.shape)), key
+    rss = _rss_bytes()
+    free_in_background(retired).join(timeout=30)
+    given_back = rss - _rss_bytes()
+    # Each carved old tensor kept half of itself; most of the other half went back.
+    assert given_back >= 0.8 * stats.bytes_carved, (given_back, stats.bytes_carved)
+    for key, t in new.items():              # the kept blocks are untouched
+        assert torch.equal(t, box_of(full[key], pieces[key][0].box).reshape(t.shape)), key
+
+
+def test_a_shared_old_tensor_is_copied_not_carved():
+    """Something else using the old tensor's memory could read the pages carving gives back:
+    such a tensor is copied, and its memory is left whole."""
+    plan, _, shapes, pieces, old, old_pieces = _replica_to_tp()
+    key = next(iter(transition.carvable(plan, 0, pieces)))
+    other = old[key].view(-1)               # another tensor over the same storage
+    kept = other.clone()
+    retired = []
+    new, _ = execute_transition(plan, 0, old, shapes, None, {}, [],
+                                TransitionConfig(carve=True), old_pieces=old_pieces,
+                                new_pieces=pieces, retired=retired)
+    assert new[key].untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
+    free_in_background(retired).join(timeout=30)
+    assert torch.equal(other, kept)
+
+
+def test_carving_can_be_turned_off():
+    plan, _, shapes, pieces, old, old_pieces = _replica_to_tp()
+    new, stats = execute_transition(plan, 0, old, shapes, None, {}, [],
+                                    TransitionConfig(carve=False), old_pieces=old_pieces,
+                                    new_pieces=pieces)
+    assert stats.bytes_carved == 0
+    assert all(transition.owned(t) is t for t in new.values())
+
+
+def test_owned_copies_only_what_shares_a_larger_allocation():
+    whole = torch.arange(12.0)
+    assert transition.owned(whole) is whole
+    part = whole[4:8].detach()
+    got = transition.owned(part)
+    assert got is not part and torch.equal(got, part)
+    assert got.untyped_storage().nbytes() == 4 * 4
