@@ -414,7 +414,7 @@ class Worker:
                              mirrored=mirrored, graveyard=self._graveyard)
                 trainer, pause, phases = res.trainer, res.pause_seconds, dict(res.phases)
                 sent, received = res.transfer.bytes_sent, res.transfer.bytes_received
-                local = res.transfer.bytes_copied + res.transfer.bytes_carved   # copied or carved
+                local = res.transfer.bytes_local
                 print(f"device {self.device}: generation {p.generation}: pause "
                       f"{pause * 1e3:.1f} ms; {res.transfer.bytes_copied} bytes copied, "
                       f"{res.transfer.bytes_carved} carved, {res.transfer.bytes_adopted} "

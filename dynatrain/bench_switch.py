@@ -269,8 +269,7 @@ def _live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt
     # Carved bytes count as copied: the floor is of the plan's data movement, which carving
     # avoids rather than does faster.
     floor_tries = _probe_floor(prepared.transition_group, prepared.group_rank, device,
-                               res.transfer.bytes_copied + res.transfer.bytes_carved,
-                               sends, recvs)
+                               res.transfer.bytes_local, sends, recvs)
     bitwise, losses_after, new_bytes = True, [], 0
     if res.trainer is not None:
         got = res.trainer.local_state()

@@ -201,6 +201,11 @@ class TransitionStats:
     bytes_allocated: int = 0
     """New local tensors and staging allocated during the switch: none of the above."""
 
+    @property
+    def bytes_local(self) -> int:
+        """The plan's local bytes this device moved: copied, or carved instead."""
+        return self.bytes_copied + self.bytes_carved
+
 
 def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
     """The elements of ``piece`` inside a local tensor, shaped like its global box (a view)."""
@@ -275,6 +280,21 @@ def carve(old: torch.Tensor, move, shape, dtype) -> torch.Tensor | None:
     if not region.is_contiguous():
         return None
     return region.reshape(shape).detach()
+
+
+def carve_views(plan: Plan, device: int, old: dict, new_shapes: dict, new_pieces: dict) -> dict:
+    """(tensor name, state) -> the new local tensor carved from ``old`` (this device's old
+    local tensors, or meta tensors of their shapes to decide ahead of the pause), for every
+    new tensor that :func:`carvable` allows and whose block is contiguous. Callers leave out
+    of ``old`` what they adopt, and what must not be carved."""
+    out = {}
+    for key, m in carvable(plan, device, new_pieces).items():
+        t = old.get(key)
+        if t is not None and key in new_shapes:
+            view = carve(t, m, *new_shapes[key])
+            if view is not None:
+                out[key] = view
+    return out
 
 
 def _unshared(t: torch.Tensor) -> bool:
@@ -383,16 +403,13 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             adopted.add(key)
     carved: dict = {}   # key -> where the kept block lies, for giving the rest back
     if config.carve and CARVING and dev.type == "cpu" and new_pieces is not None:
-        for key, m in carvable(plan, device, new_pieces).items():
-            t = old.get(key)
-            if key in new or key not in new_shapes or t is None or not _unshared(t):
-                continue
-            view = carve(t, m, *new_shapes[key])
-            if view is not None:
-                new[key] = view
-                lo = view.data_ptr()
-                carved[key] = (lo, lo + view.numel() * view.element_size())
-                stats.bytes_carved += view.numel() * view.element_size()
+        candidates = {k: t for k, t in old.items() if k not in new and _unshared(t)}
+        for key, view in carve_views(plan, device, candidates, new_shapes, new_pieces).items():
+            nbytes = view.numel() * view.element_size()
+            new[key] = view
+            carved[key] = (view.data_ptr(), view.data_ptr() + nbytes)
+            stats.bytes_carved += nbytes
+        del candidates
     for key, (shape, dtype) in new_shapes.items():
         if key not in new:
             t = preallocated.get(key)

@@ -26,7 +26,7 @@ from dynatrain.vps import abandon
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.transition import (CARVING, TransitionConfig, TransitionError,
-                                     TransitionStats, carvable, carve, execute_transition,
+                                     TransitionStats, carve_views, execute_transition,
                                      free_in_background, staging_need)
 
 from .config import TrainConfig
@@ -83,11 +83,9 @@ def preallocate(prepared: PreparedSwitch, device: int,
     # shapes tell which blocks are contiguous without touching the real ones.
     skip = {key for key, rs in old_shards.items() if key in pieces and rs.pieces == pieces[key]}
     if config.carve and CARVING:
-        for key, move in carvable(prepared.plan, device, pieces).items():
-            rs = old_shards.get(key)
-            if rs is not None and carve(torch.empty(rs.local_shape, dtype=shapes[key][1],
-                                                    device="meta"), move, *shapes[key]) is not None:
-                skip.add(key)
+        metas = {key: torch.empty(rs.local_shape, dtype=shapes[key][1], device="meta")
+                 for key, rs in old_shards.items() if key in shapes and key not in skip}
+        skip.update(carve_views(prepared.plan, device, metas, shapes, pieces))
     prepared.preallocated = {key: torch.zeros(shape, dtype=dtype)
                              for key, (shape, dtype) in shapes.items() if key not in skip}
     need = staging_need(prepared.rounds, device,
