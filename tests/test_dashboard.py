@@ -1,7 +1,7 @@
 """The Grafana dashboard's PromQL, checked by a real Prometheus parser.
 
 Every query of every panel (charts/dynatrain/dashboards/dynatrain.json, as listed by
-:func:`dynatrain.helm.dashboard_queries` with the Grafana variables filled in) must parse and
+:func:`dynatrain.operator.chart.dashboard_queries` with the Grafana variables filled in) must parse and
 type-check in the ``prometheus`` binary, and may only use metric names that DynaTrain exports
 (agent/metrics.py). Whether the queries return the right numbers from a real run is another
 test's job; this one catches a broken query without needing a run.
@@ -13,11 +13,11 @@ import re
 
 import pytest
 
-from dynatrain import helm as dhelm
+from dynatrain.operator import chart
 from dynatrain.agent.metrics import Metrics
 from prometheus_server import PrometheusServer, require_prometheus
 
-QUERIES = dhelm.dashboard_queries(rate_interval="1m")
+QUERIES = chart.dashboard_queries(rate_interval="1m")
 
 
 @pytest.fixture(scope="module")

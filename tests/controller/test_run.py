@@ -82,7 +82,7 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     assert len(workers_seen) >= 4
 
     # every Grafana panel of the Helm chart's dashboard shows data for this run
-    from dynatrain.helm import dashboard_queries
+    from dynatrain.operator.chart import dashboard_queries
 
     ended = time.time()
     for title, expr in dashboard_queries(rate_interval="1m"):

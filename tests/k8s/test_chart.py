@@ -1,6 +1,6 @@
 """The Helm chart (charts/dynatrain) with a real helm and a real kube-apiserver.
 
-``helm`` is built from its Go module (``tools/helm``, :func:`dynatrain.helm.ensure_helm`), as
+``helm`` is built from its Go module (``tools/helm``, :func:`dynatrain.devcluster.helm.ensure_helm`), as
 the control plane is; without Go these tests skip, and under CI (``CI`` set) they fail, so a
 CI run cannot pass by skipping them. The chart must lint, render, and its rendered manifests
 must be accepted by the dev cluster's apiserver (server-side apply, strict field validation).
@@ -18,12 +18,13 @@ import pytest
 import yaml
 from kubernetes import client
 
-from dynatrain import helm as dhelm
+from dynatrain.devcluster import helm as dhelm
+from dynatrain.operator import chart
 from dynatrain.devcluster.build import ensure_built
 
 pytestmark = pytest.mark.k8s
 
-CHART = dhelm.CHART_DIR
+CHART = chart.CHART_DIR
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090",
@@ -105,9 +106,9 @@ def kubectl(devcluster):
 # -- without a cluster ---------------------------------------------------------------------
 
 def test_chart_crd_is_a_copy_of_the_source():
-    assert dhelm.crd_in_sync(), (
-        f"{dhelm.CHART_CRD} differs from {dhelm.CRD_SOURCE}; "
-        "run `python -m dynatrain.helm --sync-crd`")
+    assert chart.crd_in_sync(), (
+        f"{chart.CHART_CRD} differs from {chart.CRD_SOURCE}; "
+        "run `dynatrain chart sync-crd`")
 
 
 def test_helm_is_the_pinned_version(helm):
@@ -186,7 +187,7 @@ def test_dashboard_configmap(helm):
     (cm,) = by_kind(render(helm))["ConfigMap"]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(cm["data"]["dynatrain.json"])
-    assert dashboard == json.loads(dhelm.DASHBOARD.read_text())
+    assert dashboard == json.loads(chart.DASHBOARD.read_text())
     titles = {p["title"] for p in dashboard["panels"]}
     assert {"Switch pause p50 / p95 / p99", "Switch duration by phase", "Bytes moved by switches",
             "Switches by reason and result", "Workers and GPUs", "Step time p50 / p95",
@@ -200,7 +201,7 @@ def test_dashboard_configmap(helm):
 
 def test_include_crds_renders_the_source_crd(helm):
     crds = by_kind(render(helm, "--include-crds"))["CustomResourceDefinition"]
-    sources = [d for src in dhelm.CRD_SOURCES for d in yaml.safe_load_all(src.read_text()) if d]
+    sources = [d for src in chart.CRD_SOURCES for d in yaml.safe_load_all(src.read_text()) if d]
     key = lambda d: d["metadata"]["name"]  # noqa: E731
     assert sorted(crds, key=key) == sorted(sources, key=key)
 
