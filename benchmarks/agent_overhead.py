@@ -31,7 +31,7 @@ import yaml
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.server import serve
 from dynatrain.agent.v1 import agent_pb2
-from dynatrain.agent.worker import Worker
+from dynatrain.agent.worker_loop import Worker
 from dynatrain.controller.job import job_from_manifest
 from dynatrain.controller.orchestrator import switch
 from dynatrain.trainer.groups import build_groups

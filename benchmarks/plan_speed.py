@@ -17,7 +17,7 @@ import sys
 import time
 
 from dynatrain.vps.layout import parse_layout
-from dynatrain.vps.model import load_model
+from dynatrain.vps.presets import load_model
 from dynatrain.vps.placement import place_devices
 from dynatrain.vps.planner import plan_for_device, plan_switch
 from dynatrain.vps.stats import plan_stats

@@ -3,8 +3,9 @@
 For every candidate layout of ``--model`` on ``--devices`` CPU ranks (gloo, one process per
 rank, as ``dynatrain run`` starts them), this trains ``--steps`` steps with
 :func:`dynatrain.trainer.launch.run_local` and compares the measured tokens/s with
-:func:`dynatrain.controller.solver.estimate`. It prints a table, the Spearman rank correlation
-between estimate and measurement, and how close the solver's pick comes to the measured best.
+:func:`dynatrain.controller.costmodel.estimate`. It prints a table, the Spearman rank
+correlation between estimate and measurement, and how close the solver's pick comes to the
+measured best.
 
 Calibration, all measured in this run before any layout trains:
 
@@ -43,12 +44,13 @@ import statistics
 import sys
 import time
 
-from dynatrain.controller.solver import (candidate_layouts, estimate, measure_cpu_profile,
-                                         measure_gloo_link, solve)
+from dynatrain.controller.calibrate import measure_cpu_profile, measure_gloo_link
+from dynatrain.controller.costmodel import estimate
+from dynatrain.controller.solver import candidate_layouts, solve
 from dynatrain.trainer.config import TrainConfig
 from dynatrain.trainer.launch import run_local
 from dynatrain.vps.layout import parse_layout
-from dynatrain.vps.model import load_model
+from dynatrain.vps.presets import load_model
 
 
 def machine_busy_seconds() -> float:

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from dynatrain.bench_switch import bench_switch
+from dynatrain.bench.switch import bench_switch
 from dynatrain.trainer.config import make_config
 
 CASES = [("dp=2,tp=2", "pp=2,tp=2"), ("dp=4", "tp=4"), ("dp=4", "dp=2"),
@@ -59,7 +59,13 @@ def main(argv=None) -> int:
                   flush=True)
     if args.json:
         print(json.dumps({"model": args.model, "rows": rows}))
-    return 0
+    # Timings are figures; a state that is not bit-exact, or losses that differ from the
+    # restart's, are errors.
+    bad = [f"{r['from']} -> {r['to']}" for r in rows
+           if not r["bitwise_equal"] or r["loss_match"] is False]
+    if bad:
+        print(f"not bit-exact or losses differ: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -35,10 +35,10 @@ from kubernetes.client.rest import ApiException
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller.core import JobController, JobFailed
+from dynatrain.controller.hardware import PROFILES, DeviceProfile
 from dynatrain.controller.job import JobError, job_from_manifest
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
-from dynatrain.controller.solver import PROFILES, DeviceProfile
 
 from . import cluster as k
 

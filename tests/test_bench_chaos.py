@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dynatrain import bench_chaos as bc
+from dynatrain.bench import chaos as bc
 from dynatrain.trainer.redundancy import buddy_map
 from dynatrain.trainer.state import FullState, local_from_full
 from dynatrain.vps.layout import bind, parse_layout

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from dynatrain.vps.model import ModelSpecError, load_model
+from dynatrain.vps.model import ModelSpecError
+from dynatrain.vps.presets import load_model
 from dynatrain.vps.presets import PRESETS
 
 PUBLISHED = {  # parameter counts of the published models

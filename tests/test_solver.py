@@ -13,8 +13,10 @@ from dataclasses import replace
 import pytest
 
 from dynatrain.controller import solver
-from dynatrain.controller.solver import (PROFILES, DeviceProfile, SolverError, best_for_devices,
-                                         candidate_layouts, estimate, mapping_state_bytes, solve)
+from dynatrain.controller.costmodel import SolverError, estimate
+from dynatrain.controller.hardware import PROFILES, DeviceProfile
+from dynatrain.controller.solver import best_for_devices, candidate_layouts, solve
+from dynatrain.controller.stagecost import mapping_state_bytes, stage_costs
 from dynatrain.vps.layout import Layout, bind, layout_problems, parse_layout
 from dynatrain.vps.presets import PRESETS
 
@@ -77,7 +79,7 @@ def test_moe_gets_expert_parallel_candidates_and_dense_models_do_not():
 def test_state_bytes_are_the_mappings_for_the_busiest_rank(model, text):
     lay = parse_layout(text)
     bound = bind(lay, model).layout
-    stages = solver._stages(model, replace(bound, devices=None))
+    stages = stage_costs(model, replace(bound, devices=None))
     for s, st in enumerate(stages):
         clone = 4 * st.master_elements if model.dtype == "float32" and lay.zero == 1 else 0
         ranks = [lay.rank(s, j, t) for j in range(lay.dp) for t in range(lay.tp)]
@@ -232,7 +234,7 @@ def test_bad_batch_geometry_is_rejected():
 def test_solve_is_deterministic():
     kw = dict(global_batch_size=32, seq_len=2048)
     a = solve(L7, 16, H100, **kw)
-    solver._stages.cache_clear()
+    stage_costs.cache_clear()
     b = solve(L7, 16, H100, zero_stages=(3, 1, 0), **kw)
     assert a.layout == b.layout and a.tokens_per_second == b.tokens_per_second
     assert a.memory_bytes == b.memory_bytes and a.breakdown == b.breakdown
@@ -261,7 +263,7 @@ def test_best_for_devices_may_leave_devices_idle():
 
 
 def test_solve_for_llama_7b_on_64_devices_is_fast():
-    solver._stages.cache_clear()
+    stage_costs.cache_clear()
     t = time.perf_counter()
     e = solve(L7, 64, H100, global_batch_size=64, seq_len=4096)
     assert time.perf_counter() - t < 2.0

@@ -28,7 +28,8 @@ from . import faults
 from .layout import Layout
 from .model import ModelSpec
 from .planner import Plan, plan_switch
-from .transition import Message, schedule_rounds, warm_up_regions
+from .regions import warm_up_regions
+from .rounds import Message, schedule_rounds
 
 
 class GenerationError(RuntimeError):

@@ -13,7 +13,6 @@ This module is pure metadata: no torch import, so a 235B model can be described 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from math import prod
@@ -252,28 +251,3 @@ def model_from_dict(data: dict[str, Any], *, source: str = "model spec") -> Mode
         return ModelSpec(**data)
     except TypeError as e:  # e.g. a list where an int belongs
         raise ModelSpecError(f"{source}: {e}") from None
-
-
-def load_model(name_or_path: str) -> ModelSpec:
-    """A preset by name, or a spec read from a ``.yaml``/``.yml``/``.json`` file."""
-    from .presets import PRESETS
-
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    path = Path(name_or_path)
-    if path.suffix.lower() in (".yaml", ".yml", ".json"):
-        if not path.is_file():
-            raise ModelSpecError(f"model file {name_or_path!r} does not exist")
-        text = path.read_text()
-        try:
-            if path.suffix.lower() == ".json":
-                data = json.loads(text)
-            else:
-                import yaml
-
-                data = yaml.safe_load(text)
-        except Exception as e:  # parse errors: report the file and the parser's words
-            raise ModelSpecError(f"model file {name_or_path!r} could not be parsed: {e}") from None
-        return model_from_dict(data, source=name_or_path)
-    raise ModelSpecError(f"unknown model {name_or_path!r}; valid presets: "
-                         f"{', '.join(PRESETS)} (or a .yaml/.json spec file)")

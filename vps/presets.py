@@ -5,11 +5,15 @@ Parameter counts match the published models (checked in tests/test_model.py): ll
 235,093,634,560. The GPT-2 presets pad the vocabulary from 50,257 to 50,304 (a multiple of
 128, as nanoGPT and Megatron do) so that tensor parallelism can split it; that adds 0.03%.
 The tiny presets exist for tests and the local demo: a few million parameters, trainable on CPU.
+:func:`load_model` resolves what a user names: a preset, or a spec file.
 """
 
 from __future__ import annotations
 
-from .model import ModelSpec
+import json
+from pathlib import Path
+
+from .model import ModelSpec, ModelSpecError, model_from_dict
 
 _PRESETS = [
     ModelSpec(name="gpt-tiny", arch="gpt", vocab_size=2048, hidden_size=256, num_layers=4,
@@ -46,3 +50,26 @@ _PRESETS = [
 ]
 
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in _PRESETS}
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a spec read from a ``.yaml``/``.yml``/``.json`` file."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise ModelSpecError(f"model file {name_or_path!r} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # parse errors: report the file and the parser's words
+            raise ModelSpecError(f"model file {name_or_path!r} could not be parsed: {e}") from None
+        return model_from_dict(data, source=name_or_path)
+    raise ModelSpecError(f"unknown model {name_or_path!r}; valid presets: "
+                         f"{', '.join(PRESETS)} (or a .yaml/.json spec file)")

@@ -2,19 +2,15 @@
 
 Order of work on a device: adopt every old local tensor that is already exactly a new one (same
 pieces, same shape: a DP replica that stays, a stage that keeps its layers) without copying it;
-allocate the other new local tensors; do the local copies (no network);
-then the network rounds. Every device derives the same rounds from the same full plan
-(:func:`schedule_rounds`), so sends and receives always pair up and the schedule cannot
-deadlock: in a round each device posts all its sends and receives at once (one message per
-peer, that peer's small regions packed into one contiguous staging buffer; regions of at least
-``direct_bytes`` travel as messages of their own, straight from the old tensor into the new one,
-because for them packing costs a whole extra copy on each side and saves one message's overhead
-of microseconds) and waits for them. Rounds
-are filled greedily so that no device stages more than ``staging_bytes`` (sent plus received)
-in one round; a single region larger than the budget travels alone. An old tensor is released
-as soon as its last reader (local copy or send) is done, so memory peaks near old + new +
-staging rather than at two copies of everything. Optional checksums (two 64-bit sums per
-message) prove the bytes arrived intact.
+allocate the other new local tensors; do the local copies (no network); then the network
+rounds, which every device derives the same from the full plan
+(:func:`~dynatrain.vps.rounds.schedule_rounds`), so sends and receives always pair up and the
+schedule cannot deadlock. In a round a device posts all its sends and receives at once (one
+message per peer, that peer's small regions packed into one staging buffer; large regions as
+messages of their own, straight from the old tensor into the new one) and waits for them. An
+old tensor is released as soon as its last reader (local copy or send) is done, so memory
+peaks near old + new + staging rather than at two copies of everything. Optional checksums
+(two 64-bit sums per message) prove the bytes arrived intact.
 
 After a failure, a device may hold **mirrors**: copies of dead devices' old local tensors (its
 buddies' host-memory backups). The plan then names it as the sender of the dead devices' data
@@ -22,21 +18,16 @@ buddies' host-memory backups). The plan then names it as the sender of the dead 
 both for local copies and for sends. Mirrors are never adopted and never released: they may be
 the last copy of a dead device's state, still needed if this switch fails and is retried.
 
-**Carving** (CPU; ``TransitionConfig.carve``, on by default): a new local tensor that one local copy would fill entirely
-from one contiguous block of this device's own old tensor (a row block of a replica that becomes
-a tensor-parallel shard, say) becomes a view of that block instead: no copy at all. The old
-tensor's other pages go back to the OS afterwards (``madvise(MADV_DONTNEED)``, on the freeing
-thread, after a successful switch), so memory ends where a copy would have left it. Carving
-needs the old tensor's memory to be this device's alone: any other tensor sharing its storage
-might read the pages given back, so such a tensor is copied as usual. (On a GPU a copy runs at
-memory bandwidth and the caching allocator could not give part of a block back.)
+**Carving** (CPU, on by default): a new local tensor that is one contiguous block of this
+device's own unshared old tensor becomes a view of it, and the old tensor's other pages go back
+to the OS (:mod:`dynatrain.vps.carving`).
 
 Two CPU costs need not sit in the training pause, and the caller may move them out: faulting
 in freshly allocated pages (the kernel zeroes each one, as dear as the copy into it), and handing
 freed pages back to the OS. ``preallocated`` takes new local tensors allocated and touched in the
 background beforehand (:meth:`DeviceManager.prepare`'s ``preallocate``); ``retired`` collects old
-tensors as their last reader finishes instead of dropping them, for :func:`free_in_background`
-after the switch. Both keep the peak within old + new + staging. (On a GPU neither costs much:
+tensors as their last reader finishes instead of dropping them, for
+:func:`~dynatrain.vps.carving.free_in_background` after the switch. Both keep the peak within old + new + staging. (On a GPU neither costs much:
 the caching allocator neither faults nor unmaps.)
 
 Every wait has a timeout; a failure raises :class:`TransitionError` naming the round, the peer
@@ -46,24 +37,19 @@ tensors described by the mapping's pieces, on any process group whose ranks are 
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 
 from . import abandon, faults
-from .boxes import box_extents, relative
+from .carving import CARVING, Trim, carve_views, give_back, unshared
 from .planner import Plan
-
-MiB = 1 << 20
+from .regions import region_view
+from .rounds import (CHECKSUM_BYTES, DIRECT_BYTES, Message, MiB, slot_bytes, split_direct,
+                     staging_need)
 
 
 class TransitionError(RuntimeError):
@@ -76,13 +62,13 @@ class TransitionConfig:
     """Most bytes a device stages (sent plus received) in one round."""
     checksums: bool = False
     """Append two 64-bit sums to every message and check them on arrival."""
-    direct_bytes: int = 1 * MiB
+    direct_bytes: int = DIRECT_BYTES
     """Regions at least this large are sent unpacked, each as its own message, from and into
     the tensors themselves (when contiguous). Checksums turn this off: they cover packed
     buffers."""
     carve: bool = True
     """On CPU, make new local tensors that are one contiguous block of an old one views of it
-    (see the module docstring); where carving is unavailable this is ignored."""
+    (see :mod:`dynatrain.vps.carving`); where carving is unavailable this is ignored."""
     timeout: timedelta = field(default_factory=lambda: timedelta(
         seconds=float(os.environ.get("DYNATRAIN_TRANSITION_TIMEOUT_S", "60"))))
     """Longest wait for one round's messages (env DYNATRAIN_TRANSITION_TIMEOUT_S)."""
@@ -93,93 +79,6 @@ class TransitionConfig:
         if self.direct_bytes < 1:
             raise ValueError(f"direct_bytes={self.direct_bytes} must be positive")
 
-
-class Item(NamedTuple):
-    """One region of one tensor: a Move expanded to a single tensor of its group."""
-
-    move: int
-    """Index into ``plan.transfers``."""
-    name: str
-    nbytes: int
-
-
-class Message(NamedTuple):
-    src: int
-    dst: int
-    items: tuple[Item, ...]
-    nbytes: int
-
-
-def schedule_rounds(plan: Plan, staging_bytes: int) -> list[list[Message]]:
-    """The rounds of network messages, the same on every device (it reads the full plan).
-
-    Messages go per (sending process, receiver) pair: what a proxy sends from its own old
-    tensors and from a mirror to the same receiver shares one queue, in plan order, which is
-    the same on every device because the plan is.
-    """
-    queues: dict[tuple[int, int], list[Item]] = {}
-    for i, m in enumerate(plan.transfers):
-        for name in plan.groups[m.group].names:
-            queues.setdefault((m.src, m.dst), []).append(Item(i, name, m.nbytes))
-    pairs = sorted(queues)
-    heads = {p: 0 for p in pairs}
-    rounds: list[list[Message]] = []
-    while pairs:
-        used: dict[int, int] = {}
-        messages = []
-        for pair in pairs:
-            src, dst = pair
-            q, h = queues[pair], heads[pair]
-            take, size = h, 0
-            while take < len(q):
-                n = q[take].nbytes
-                fits = (used.get(src, 0) + size + n <= staging_bytes
-                        and used.get(dst, 0) + size + n <= staging_bytes)
-                alone = take == h and used.get(src, 0) == 0 and used.get(dst, 0) == 0
-                if not (fits or alone):
-                    break
-                size += n
-                take += 1
-                if not fits:  # an oversized region travels alone
-                    break
-            if take > h:
-                messages.append(Message(src, dst, tuple(q[h:take]), size))
-                used[src] = used.get(src, 0) + size
-                used[dst] = used.get(dst, 0) + size
-                heads[pair] = take
-        rounds.append(messages)
-        pairs = [p for p in pairs if heads[p] < len(queues[p])]
-    return rounds
-
-
-CHECKSUM_BYTES = 16
-_ALIGN = 64
-"""Messages start at multiples of this in the staging buffer, so any dtype can view them."""
-
-
-def _slot(nbytes: int) -> int:
-    """Staging bytes one message occupies: payload, room for its checksums, alignment."""
-    return -(-(nbytes + CHECKSUM_BYTES) // _ALIGN) * _ALIGN
-
-
-def _packed(msg: Message, direct_bytes: int | None) -> tuple[list[int], list[int]]:
-    """Indices of ``msg``'s items that are packed, and of those that travel direct. Both ends
-    decide from sizes alone, so they agree without asking."""
-    packed, direct = [], []
-    for j, it in enumerate(msg.items):
-        (direct if direct_bytes is not None and it.nbytes >= direct_bytes else packed).append(j)
-    return packed, direct
-
-
-def staging_need(rounds: list[list[Message]], device: int,
-                 direct_bytes: int | None = TransitionConfig.direct_bytes) -> int:
-    """Bytes of staging ``device`` packs into in its busiest round: the size of one buffer
-    that every round can reuse (``direct_bytes=None``: everything packed, as with checksums)."""
-    def slot(msg):
-        packed = _packed(msg, direct_bytes)[0]
-        return _slot(sum(msg.items[j].nbytes for j in packed)) if packed else 0
-    return max([sum(slot(m) for m in messages if device in (m.src, m.dst))
-                for messages in rounds] + [0])
 
 
 @dataclass
@@ -197,7 +96,7 @@ class TransitionStats:
     bytes_preallocated: int = 0
     """New local tensors and staging that were allocated (and faulted in) before the switch."""
     bytes_carved: int = 0
-    """New local tensors made views of old ones instead of copies (see carving)."""
+    """New local tensors made views of old ones instead of copies (see :mod:`.carving`)."""
     bytes_allocated: int = 0
     """New local tensors and staging allocated during the switch: none of the above."""
 
@@ -206,130 +105,6 @@ class TransitionStats:
         """The plan's local bytes this device moved: copied, or carved instead."""
         return self.bytes_copied + self.bytes_carved
 
-
-def piece_view(local: torch.Tensor, piece) -> torch.Tensor:
-    """The elements of ``piece`` inside a local tensor, shaped like its global box (a view)."""
-    return local[tuple(slice(a, b) for a, b in piece.local)].reshape(box_extents(piece.box))
-
-
-@lru_cache(maxsize=1 << 16)
-def _region_index(piece, box) -> tuple:
-    """How to index ``box`` of ``piece`` in a local tensor: (local slices, their extents, the
-    shape to view them as or None if already so, slices of the box within the piece or None
-    for all of it). Cached, and filled in before the pause by :func:`warm_up_regions`, so the
-    pause does no box arithmetic; the Nones spare a view where a region is a whole tensor."""
-    where_shape = box_extents(piece.local)
-    shape = box_extents(piece.box)
-    inside = relative(box, piece.box)
-    whole = all(a == 0 and b == n for (a, b), n in zip(inside, shape))
-    return (tuple(slice(a, b) for a, b in piece.local), where_shape,
-            None if shape == where_shape else shape,
-            None if whole else tuple(slice(a, b) for a, b in inside))
-
-
-def _region(local: torch.Tensor, piece, box) -> torch.Tensor:
-    """The elements of ``box`` (global coordinates) inside ``piece`` of a local tensor."""
-    where, where_shape, shape, inside = _region_index(piece, box)
-    view = local if local.shape == where_shape else local[where]  # equal: the whole tensor
-    if shape is not None:
-        view = view.reshape(shape)
-    return view if inside is None else view[inside]
-
-
-def warm_up_regions(plan: Plan, device: int) -> None:
-    """Index every region ``device`` reads or writes in ``plan`` (for :func:`_region`)."""
-    for m in plan.copies + plan.transfers:
-        if device in (m.src, m.dst, m.src_owner):
-            _region_index(m.src_piece, m.box)
-            _region_index(m.dst_piece, m.box)
-
-
-# -- carving -----------------------------------------------------------------------------------
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-CARVING = sys.platform.startswith("linux") and _storage_use_count is not None
-"""Whether this platform can carve: it needs madvise to give pages back, and torch's storage
-use count to prove an old tensor's memory is unshared."""
-_MADV_DONTNEED = 4
-_libc = ctypes.CDLL(None, use_errno=True) if CARVING else None
-if _libc is not None:
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-
-def carvable(plan: Plan, device: int, new_pieces: dict) -> dict:
-    """(tensor name, state) -> the local copy that alone fills that new local tensor of
-    ``device`` from its own old tensor (the new tensor is one piece, and the copy's box is that
-    piece). Whether the block is contiguous in the old tensor is for :func:`carve` to say."""
-    out = {}
-    for m in plan.copies:
-        if m.dst != device or m.src_owner != device:
-            continue
-        for name in plan.groups[m.group].names:
-            pieces = new_pieces.get((name, m.state))
-            if pieces is not None and len(pieces) == 1 and pieces[0].box == m.box:
-                out[(name, m.state)] = m
-    return out
-
-
-def carve(old: torch.Tensor, move, shape, dtype) -> torch.Tensor | None:
-    """The new local tensor ``move`` fills, as a view of its block of ``old`` (not an autograd
-    view: nothing keeps ``old`` itself alive), or None if the block is not contiguous there.
-    Works on meta tensors too, to decide before the pause."""
-    if old.dtype != dtype:
-        return None
-    region = _region(old, move.src_piece, move.box)
-    if not region.is_contiguous():
-        return None
-    return region.reshape(shape).detach()
-
-
-def carve_views(plan: Plan, device: int, old: dict, new_shapes: dict, new_pieces: dict) -> dict:
-    """(tensor name, state) -> the new local tensor carved from ``old`` (this device's old
-    local tensors, or meta tensors of their shapes to decide ahead of the pause), for every
-    new tensor that :func:`carvable` allows and whose block is contiguous. Callers leave out
-    of ``old`` what they adopt, and what must not be carved."""
-    out = {}
-    for key, m in carvable(plan, device, new_pieces).items():
-        t = old.get(key)
-        if t is not None and key in new_shapes:
-            view = carve(t, m, *new_shapes[key])
-            if view is not None:
-                out[key] = view
-    return out
-
-
-def _unshared(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor using its storage (the count includes the temporary
-    storage object this asks through)."""
-    return _storage_use_count(t.untyped_storage()._cdata) == 2
-
-
-class _Trim(NamedTuple):
-    """An old tensor that was carved: its bytes outside [keep_lo, keep_hi) (addresses) go back
-    to the OS, then it is dropped; the carved view keeps the allocation itself alive."""
-
-    tensor: torch.Tensor
-    keep_lo: int
-    keep_hi: int
-
-
-def _give_back(trim: _Trim) -> None:
-    """madvise(MADV_DONTNEED) the whole pages of the old tensor's storage outside the kept
-    block: they read as zeros afterwards, which nobody reads (:func:`_unshared`), and the
-    allocation is freed as usual when the carved tensor dies."""
-    storage = trim.tensor.untyped_storage()
-    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    page = mmap.PAGESIZE
-    for lo, hi in ((start, trim.keep_lo), (trim.keep_hi, end)):
-        a, b = -(-lo // page) * page, hi // page * page
-        if b > a and _libc.madvise(a, b - a, _MADV_DONTNEED) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise({a:#x}, {b - a}, MADV_DONTNEED): {os.strerror(err)}")
-
-
-def owned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a copy of it if it shares a larger allocation (a carved tensor does):
-    torch.save writes a tensor's whole storage."""
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -403,7 +178,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             adopted.add(key)
     carved: dict = {}   # key -> where the kept block lies, for giving the rest back
     if config.carve and CARVING and dev.type == "cpu" and new_pieces is not None:
-        candidates = {k: t for k, t in old.items() if k not in new and _unshared(t)}
+        candidates = {k: t for k, t in old.items() if k not in new and unshared(t)}
         for key, view in carve_views(plan, device, candidates, new_shapes, new_pieces).items():
             nbytes = view.numel() * view.element_size()
             new[key] = view
@@ -442,9 +217,9 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
         if t is None or key in adopted:
             return
         if key in carved:
-            trim = _Trim(t, *carved[key])
+            trim = Trim(t, *carved[key])
             if retired is None:
-                _give_back(trim)
+                give_back(trim)
             else:
                 retired.append(trim)
         elif retired is not None:
@@ -467,8 +242,8 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     continue  # already in place: the old tensor is the new one
                 if (name, m.state) in carved:
                     continue  # already in place: a view of the old tensor (its only writer)
-                _region(new[(name, m.state)], m.dst_piece, m.box).copy_(
-                    _region(source(m, name), m.src_piece, m.box))
+                region_view(new[(name, m.state)], m.dst_piece, m.box).copy_(
+                    region_view(source(m, name), m.src_piece, m.box))
                 stats.bytes_copied += m.nbytes
         release(-1)
         stats.copy_seconds = time.perf_counter() - t0
@@ -495,7 +270,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
             # both ends number them the same way.
             works, inbound, unstaged, staged, offset = [], [], [], 0, 0
             for msg in mine:
-                packed, direct = _packed(msg, direct_bytes)
+                packed, direct = split_direct(msg, direct_bytes)
                 size = sum(msg.items[j].nbytes for j in packed)
                 tag = r << 16
                 if msg.src == device:
@@ -503,7 +278,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     for j in direct:
                         it = msg.items[j]
                         mv = plan.transfers[it.move]
-                        region = _region(source(mv, it.name), mv.src_piece, mv.box)
+                        region = region_view(source(mv, it.name), mv.src_piece, mv.box)
                         if not region.is_contiguous():
                             region = region.contiguous()
                             staged += it.nbytes
@@ -512,13 +287,13 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     if not packed:
                         continue
                     buf = staging[offset:offset + size + extra]
-                    offset += _slot(size)
+                    offset += slot_bytes(size)
                     staged += size + extra
                     parts = []
                     for j in packed:
                         it = msg.items[j]
                         mv = plan.transfers[it.move]
-                        parts.append(_as_bytes(_region(source(mv, it.name), mv.src_piece,
+                        parts.append(_as_bytes(region_view(source(mv, it.name), mv.src_piece,
                                                        mv.box)))
                     torch.cat(parts, out=buf[:size])
                     if config.checksums:
@@ -529,7 +304,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     for j in direct:
                         it = msg.items[j]
                         mv = plan.transfers[it.move]
-                        dst = _region(new[(it.name, mv.state)], mv.dst_piece, mv.box)
+                        dst = region_view(new[(it.name, mv.state)], mv.dst_piece, mv.box)
                         into = dst
                         if not dst.is_contiguous():
                             into = torch.empty(dst.shape, dtype=dst.dtype, device=dev)
@@ -540,7 +315,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     if not packed:
                         continue
                     buf = staging[offset:offset + size + extra]
-                    offset += _slot(size)
+                    offset += slot_bytes(size)
                     staged += size + extra
                     works.append((msg, group.recv([buf], group_rank[msg.src], tag)))
                     inbound.append((msg, packed, buf))
@@ -570,34 +345,10 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                 for j in packed:
                     it = msg.items[j]
                     mv = plan.transfers[it.move]
-                    dst = _region(new[(it.name, mv.state)], mv.dst_piece, mv.box)
+                    dst = region_view(new[(it.name, mv.state)], mv.dst_piece, mv.box)
                     dst.copy_(buf[at:at + it.nbytes].view(dst.dtype).reshape(dst.shape))
                     at += it.nbytes
             release(r)
         stats.network_seconds = time.perf_counter() - t1
     stats.seconds = time.perf_counter() - t0
     return new, stats
-
-
-def free_in_background(objects: list) -> threading.Thread:
-    """Drop ``objects`` (the caller's last references) on a daemon thread, one at a time;
-    carved old tensors first give back their pages outside the carved block.
-
-    Returning a large CPU tensor's pages to the OS takes about as long as copying it, and
-    tearing down a gloo process group some 20 ms; done here, it overlaps the next training
-    step, whose torch kernels release the GIL. The list is emptied.
-    """
-    batch = list(objects)
-    objects.clear()
-
-    def run() -> None:
-        while batch:
-            item = batch.pop()
-            if isinstance(item, _Trim):
-                _give_back(item)
-            del item
-            time.sleep(0)   # let the training thread take the GIL between frees
-
-    thread = threading.Thread(target=run, name="dynatrain-free-old-state", daemon=True)
-    thread.start()
-    return thread

@@ -18,10 +18,11 @@ from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 
+from .costmodel import SolverError
+from .hardware import DeviceProfile
 from .job import JobSpec
 from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
 from .policy import Policy
-from .solver import DeviceProfile, SolverError
 
 State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
-from dynatrain.vps.model import ModelSpec, ModelSpecError, load_model, model_from_dict
+from dynatrain.vps.model import ModelSpec, ModelSpecError, model_from_dict
+from dynatrain.vps.presets import load_model
 
 API_VERSION = "dynatrain.io/v1alpha1"
 KIND = "DynaTrainJob"

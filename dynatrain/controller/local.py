@@ -29,11 +29,11 @@ from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
 
 from .core import JobController, JobFailed
+from .hardware import DeviceProfile
 from .job import JobSpec
 from .orchestrator import Timeouts
 from .policy import Policy
 from .scenario import Event, Scenario
-from .solver import DeviceProfile
 
 WORKER_START_TIMEOUT_S = 120.0
 

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.placement import place_devices
 
+from .costmodel import Estimate, SolverError, estimate
+from .hardware import DeviceProfile
 from .job import JobSpec
-from .solver import DeviceProfile, Estimate, SolverError, estimate, solve
+from .solver import solve
 
 
 @dataclass

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from dynatrain.vps import abandon
 from dynatrain.vps.mapping import rank_shards
-from dynatrain.vps.transition import piece_view
+from dynatrain.vps.regions import piece_view
 
 from .trainer import LocalState
 from .weights import TORCH_DTYPES

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dynatrain.vps.layout import Layout, LayoutError, layout_problems, parse_layout
-from dynatrain.vps.model import ModelSpec, load_model
+from dynatrain.vps.model import ModelSpec
+from dynatrain.vps.presets import load_model
 
 
 class ConfigError(ValueError):

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from dynatrain.vps import abandon
+from dynatrain.vps.carving import CARVING, carve_views, free_in_background
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.mapping import rank_shards
-from dynatrain.vps.transition import (CARVING, TransitionConfig, TransitionError,
-                                     TransitionStats, carve_views, execute_transition,
-                                     free_in_background, staging_need)
+from dynatrain.vps.rounds import staging_need
+from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionStats,
+                                      execute_transition)
 
 from .config import TrainConfig
 from .trainer import LocalState, Trainer

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from dynatrain.controller.costmodel import SolverError
+from dynatrain.controller.hardware import PROFILES
 from dynatrain.controller.job import load_job
 from dynatrain.controller.policy import Policy
-from dynatrain.controller.solver import PROFILES, SolverError
 from dynatrain.vps.layout import parse_layout
 
 ROOT = Path(__file__).resolve().parents[2]

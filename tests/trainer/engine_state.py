@@ -3,7 +3,7 @@
 import torch
 
 from dynatrain.vps.mapping import model_states, rank_shards
-from dynatrain.vps.transition import piece_view
+from dynatrain.vps.regions import piece_view
 
 
 def full_state(model, seed: int) -> dict:

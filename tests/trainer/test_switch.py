@@ -1,6 +1,6 @@
 """Live switches: bit-exact against DCP resharding, training continues exactly, failures named.
 
-Each case is a real run (``dynatrain.bench_switch.bench_switch``): worker processes train under
+Each case is a real run (``dynatrain.bench.switch.bench_switch``): worker processes train under
 the old layout, prepare the switch in the background, switch live, check what arrived against
 PyTorch Distributed Checkpoint's resharding of the pre-switch state (``bitwise_equal``), train on,
 and compare with fresh processes restarted from that checkpoint (``loss_match``).
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynatrain.bench_switch import bench_switch
+from dynatrain.bench.switch import bench_switch
 from dynatrain.trainer.config import make_config
 
 KW = dict(global_batch_size=8, seq_len=16)

@@ -9,18 +9,21 @@ test_switch.py.
 """
 
 import gc
+import mmap
 import weakref
 
 import pytest
 import torch
 
-from dynatrain.vps import transition
+from dynatrain.vps import carving, regions
+from dynatrain.vps.carving import free_in_background
 from dynatrain.vps.layout import bind, parse_layout
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.planner import plan_switch
 from dynatrain.vps.presets import PRESETS
-from dynatrain.vps.transition import (Item, Message, TransitionConfig, execute_transition,
-                                      free_in_background, staging_need, warm_up_regions)
+from dynatrain.vps.regions import warm_up_regions
+from dynatrain.vps.rounds import Item, Message, staging_need
+from dynatrain.vps.transition import TransitionConfig, execute_transition
 from engine_state import box_of, cut, full_state
 
 
@@ -76,13 +79,13 @@ def test_without_retired_old_tensors_are_freed_during_the_switch():
 
 def test_regions_are_indexed_before_the_pause():
     plan, full, ob, shapes = _local_switch()
-    transition._region_index.cache_clear()
+    regions.region_index.cache_clear()
     warm_up_regions(plan, 0)
-    before = transition._region_index.cache_info()
+    before = regions.region_index.cache_info()
     assert before.currsize > 0
     execute_transition(plan, 0, cut(ob, 0, full)[0], shapes, None, {}, [],
                        mirrored={1: cut(ob, 1, full)[0]})
-    after = transition._region_index.cache_info()
+    after = regions.region_index.cache_info()
     assert after.misses == before.misses and after.hits > before.hits
 
 
@@ -112,7 +115,7 @@ def test_direct_threshold_must_be_positive():
 # -- carving ----------------------------------------------------------------------------------
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * transition.mmap.PAGESIZE
+        return int(f.read().split()[1]) * mmap.PAGESIZE
 
 
 def _replica_to_tp(model="gpt-tiny"):
@@ -132,13 +135,13 @@ def _replica_to_tp(model="gpt-tiny"):
     return plan, full, shapes, pieces, old_t, old_pieces
 
 
-@pytest.mark.skipif(not transition.CARVING, reason="carving needs Linux madvise and torch's "
+@pytest.mark.skipif(not carving.CARVING, reason="carving needs Linux madvise and torch's "
                     "storage use count; this platform copies instead")
 def test_row_blocks_are_carved_and_the_rest_of_the_old_pages_go_back():
     plan, full, shapes, pieces, old, old_pieces = _replica_to_tp()
     # Row-parallel tensors (a column block of each row) are strided: those are copied.
-    blocks = {k for k, m in transition.carvable(plan, 0, pieces).items()
-              if transition.carve(old[k], m, *shapes[k]) is not None
+    blocks = {k for k, m in carving.carvable(plan, 0, pieces).items()
+              if carving.carve(old[k], m, *shapes[k]) is not None
               and old_pieces[k] != pieces[k]}         # not adopted whole
     assert 0 < len(blocks) < len(shapes)
     spans = {k: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
@@ -171,7 +174,7 @@ def test_a_shared_old_tensor_is_copied_not_carved():
     """Something else using the old tensor's memory could read the pages carving gives back:
     such a tensor is copied, and its memory is left whole."""
     plan, _, shapes, pieces, old, old_pieces = _replica_to_tp()
-    key = next(iter(transition.carvable(plan, 0, pieces)))
+    key = next(iter(carving.carvable(plan, 0, pieces)))
     other = old[key].view(-1)               # another tensor over the same storage
     kept = other.clone()
     retired = []
@@ -189,13 +192,13 @@ def test_carving_can_be_turned_off():
                                     TransitionConfig(carve=False), old_pieces=old_pieces,
                                     new_pieces=pieces)
     assert stats.bytes_carved == 0
-    assert all(transition.owned(t) is t for t in new.values())
+    assert all(carving.owned(t) is t for t in new.values())
 
 
 def test_owned_copies_only_what_shares_a_larger_allocation():
     whole = torch.arange(12.0)
-    assert transition.owned(whole) is whole
+    assert carving.owned(whole) is whole
     part = whole[4:8].detach()
-    got = transition.owned(part)
+    got = carving.owned(part)
     assert got is not part and torch.equal(got, part)
     assert got.untyped_storage().nbytes() == 4 * 4

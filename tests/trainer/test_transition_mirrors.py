@@ -24,8 +24,9 @@ from dynatrain.vps.layout import bind, parse_layout
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.planner import PlanError, plan_switch
 from dynatrain.vps.presets import PRESETS
-from dynatrain.vps.transition import (TransitionConfig, TransitionError, execute_transition,
-                                      piece_view, schedule_rounds)
+from dynatrain.vps.regions import piece_view
+from dynatrain.vps.rounds import schedule_rounds
+from dynatrain.vps.transition import TransitionConfig, TransitionError, execute_transition
 from dynatrain.vps.verify import verify_plan
 from engine_state import box_of, cut, full_state
 

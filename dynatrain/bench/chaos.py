@@ -1,4 +1,5 @@
-"""``dynatrain bench chaos``: kill workers of a running job at random points; check every trial.
+"""Kill workers of a running job at random points and judge every trial: the benchmark behind
+``dynatrain bench chaos``.
 
 Each trial is a real local job (``dynatrain run``'s runner, one process per worker, in a
 process of its own with a time limit) that loses a worker without notice at a random point:
@@ -22,7 +23,6 @@ ones load the newest checkpoint (one per step, the best case for a restart).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -96,11 +96,11 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
     import yaml
 
     from dynatrain.controller.core import JobFailed
+    from dynatrain.controller.hardware import PROFILES
     from dynatrain.controller.job import load_job
     from dynatrain.controller.local import LocalRunner
     from dynatrain.controller.policy import Policy
     from dynatrain.controller.scenario import Event, Scenario
-    from dynatrain.controller.solver import PROFILES
     from dynatrain.vps.layout import parse_layout
 
     job_path = workdir / "job.yaml"
@@ -178,7 +178,7 @@ def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float, *, keep: bool = 
     (workdir / "spec.json").write_text(json.dumps(asdict(spec)))
     t0 = time.monotonic()
     with open(workdir / "trial.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.bench_chaos", "trial",
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.bench.chaos", "trial",
                                  str(workdir)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -335,44 +335,6 @@ def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: 
     return out
 
 
-def register(bsub) -> None:
-    p = bsub.add_parser(
-        "chaos", help="kill workers at random points; every trial must recover exactly",
-        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: dynatrain bench chaos --trials 10 --json")
-    p.add_argument("--trials", type=int, default=10, help="chaos trials (default 10)")
-    p.add_argument("--restart-trials", type=int, default=3,
-                   help="checkpoint-and-restart trials, for comparison (default 3)")
-    p.add_argument("--steps", type=int, default=16, help="steps of each trial's job")
-    p.add_argument("--seed", type=int, default=0, help="seed of the trial plan")
-    p.add_argument("--trial-timeout", type=float, default=240.0,
-                   help="seconds before a trial counts as hung (default 240)")
-    p.add_argument("--keep", metavar="DIR", help="keep every trial's logs and dumps in DIR")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.set_defaults(func=run_bench_chaos)
-
-
-def run_bench_chaos(args) -> int:
-    from dynatrain.cli import UsageError
-
-    if args.trials < 1:
-        raise UsageError(f"--trials={args.trials} must be >= 1")
-    if args.steps < 10:
-        raise UsageError(f"--steps={args.steps} must be >= 10 (kills land in steps 3..steps-5)")
-    if args.restart_trials < 0:
-        raise UsageError(f"--restart-trials={args.restart_trials} must be >= 0")
-    out = bench_chaos(args.trials, seed=args.seed, steps=args.steps,
-                      restart_trials=args.restart_trials, timeout_s=args.trial_timeout,
-                      keep=args.keep, say=(lambda s: print(s, file=sys.stderr, flush=True))
-                      if args.json else print)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        brief = {k: v for k, v in out.items() if k != "results"}
-        print(json.dumps(brief, indent=2))
-    return 0 if out["hung"] == 0 and out["corrupted"] == 0 and out["errors"] == 0 else 1
-
-
 def _trial_main(workdir: str) -> int:
     """Child process: run the trial in ``workdir`` and write ``result.json``."""
     wd = Path(workdir)
@@ -388,6 +350,6 @@ def _trial_main(workdir: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "trial":
         sys.exit(_trial_main(sys.argv[2]))
-    print("usage: python -m dynatrain.bench_chaos trial DIR (use `dynatrain bench chaos`)",
+    print("usage: python -m dynatrain.bench.chaos trial DIR (use `dynatrain bench chaos`)",
           file=sys.stderr)
     sys.exit(2)

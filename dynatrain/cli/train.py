@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from dynatrain.cli.errors import UsageError
 from dynatrain.trainer.config import make_config
 from dynatrain.vps.presets import PRESETS
 
@@ -40,8 +41,6 @@ def register(sub) -> None:
 
 
 def run_train(args) -> int:
-    from dynatrain.cli import UsageError
-
     if args.steps < 1:
         raise UsageError(f"--steps={args.steps} must be >= 1")
     config = make_config(args.model, args.layout, seed=args.seed,

@@ -1,4 +1,4 @@
-"""``dynatrain plan`` and ``dynatrain models``: plan a switch between two layouts, list presets.
+"""``dynatrain plan``: plan a switch between two layouts and print its cost.
 
 The plan command is the planner's front door: it binds both layouts to the model and devices,
 plans, and prints either a readable summary or one JSON object for scripts and benchmarks.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from dynatrain.cli.errors import UsageError
 from dynatrain.vps.layout import LayoutError, parse_layout
-from dynatrain.vps.mapping import state_bytes
-from dynatrain.vps.model import load_model
+from dynatrain.vps.presets import load_model
 from dynatrain.vps.placement import place_devices
 from dynatrain.vps.planner import plan_switch
 from dynatrain.vps.presets import PRESETS
@@ -52,15 +52,9 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_plan)
 
-    m = sub.add_parser("models", help="list the model presets",
-                       description="List the model presets with their sizes.")
-    m.add_argument("--json", action="store_true", help="print one JSON object")
-    m.set_defaults(func=run_models)
 
 
 def parse_devices(text: str | None, what: str) -> tuple[int, ...] | None:
-    from dynatrain.cli import UsageError
-
     if text is None:
         return None
     try:
@@ -74,8 +68,6 @@ def parse_devices(text: str | None, what: str) -> tuple[int, ...] | None:
 
 
 def run_plan(args) -> int:
-    from dynatrain.cli import UsageError
-
     if args.gpus_per_node < 1:
         raise UsageError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
     model = load_model(args.model)
@@ -165,20 +157,3 @@ def render_plan(plan, stats, verified: bool = False) -> str:
                          f"{fmt_bytes(recv.get(d, 0)):>12} {fmt_bytes(local.get(d, 0)):>12}")
     return "\n".join(lines)
 
-
-def run_models(args) -> int:
-    from dynatrain.vps.mapping import model_states
-
-    rows = [{"name": m.name, "arch": m.arch, "params": m.num_params, "layers": m.num_layers,
-             "experts": m.num_experts, "dtype": m.dtype, "state_bytes": state_bytes(m),
-             "states": list(model_states(m)), "description": m.description}
-            for m in PRESETS.values()]
-    if args.json:
-        print(json.dumps({"models": rows}))
-        return 0
-    print(f"{'model':<18}{'params':>18}{'layers':>8}{'experts':>9}  {'dtype':<9}"
-          f"{'state/replica':>14}  description")
-    for r in rows:
-        print(f"{r['name']:<18}{r['params']:>18,}{r['layers']:>8}{r['experts']:>9}  "
-              f"{r['dtype']:<9}{fmt_bytes(r['state_bytes']):>14}  {r['description']}")
-    return 0

@@ -1,10 +1,8 @@
-"""`dynatrain dev cluster`: run the dev cluster in the foreground.
+"""``dynatrain dev cluster``: run the dev cluster (``dynatrain.devcluster``) in the foreground.
 
-:func:`register` adds the ``dev`` command (with its ``cluster`` subcommand)
-to the ``dynatrain`` console script's argparse subparsers. The command builds
-or reuses the control-plane binaries, starts the cluster, writes the admin
-kubeconfig once the simulated nodes are Ready, and then waits; Ctrl-C or
-SIGTERM stops every process it started.
+The command builds or reuses the control-plane binaries, starts the cluster, writes the admin
+kubeconfig once the simulated nodes are Ready, and then waits; Ctrl-C or SIGTERM stops every
+process it started.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from pathlib import Path
 
 # Only what --help needs is imported here; the cluster modules (and the
 # `kubernetes` client they need) are imported when the command runs.
-from .errors import DevClusterError
-from .nodes import NodePool, Taint
+from dynatrain.devcluster.errors import DevClusterError
+from dynatrain.devcluster.nodes import NodePool, Taint
 
 _DESCRIPTION = """\
 Run a real Kubernetes control plane on 127.0.0.1 in the foreground: etcd,
@@ -92,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .build import BINARIES, default_toolchain, ensure_built, pinned_versions
-    from .cluster import ClusterConfig, DevCluster
+    from dynatrain.devcluster.build import (BINARIES, default_toolchain, ensure_built,
+                                            pinned_versions)
+    from dynatrain.devcluster.cluster import ClusterConfig, DevCluster
 
     binaries = ensure_built()
     if args.build_only:
@@ -143,14 +142,3 @@ def _run(args: argparse.Namespace) -> int:
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone runner until ``register`` is wired into the dynatrain CLI."""
-    parser = argparse.ArgumentParser(prog="dynatrain")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,7 @@
 """``dynatrain run JOB.yaml``: an elastic job with live switches on this machine, no cluster.
 
-And ``dynatrain worker``: one worker process (what the runner and the operator's pods start).
+The controller core's local runner (``dynatrain.controller.local``) does the work; this module
+checks the command-line values, picks the solver's device model and prints the summary.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+
+from dynatrain.cli.errors import UsageError
 
 EPILOG = """\
 examples:
@@ -61,19 +64,15 @@ def register(sub) -> None:
                         "(default: recover live from the in-memory copies)")
     p.set_defaults(func=run_job)
 
-    # Listed for --help; `dynatrain worker ...` is dispatched before parsing (see cli.main).
-    sub.add_parser("worker", help="one worker process with its agent (started for you by "
-                   "`run` and by the operator's pods; `dynatrain worker --help`)")
-
 
 def run_job(args) -> int:
-    from dynatrain.cli import UsageError
+    from dynatrain.controller.calibrate import measure_cpu_profile
     from dynatrain.controller.core import JobFailed
+    from dynatrain.controller.hardware import PROFILES
     from dynatrain.controller.job import load_job
     from dynatrain.controller.local import LocalRunner
     from dynatrain.controller.policy import Policy
     from dynatrain.controller.scenario import Scenario, load_scenario
-    from dynatrain.controller.solver import PROFILES, measure_cpu_profile
 
     job = load_job(args.job)
     scenario = load_scenario(args.scenario) if args.scenario else Scenario(None, ())

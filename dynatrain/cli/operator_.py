@@ -1,4 +1,8 @@
-"""``dynatrain operator``: run the Kubernetes operator (kopf) for DynaTrainJob objects."""
+"""``dynatrain operator``: run the Kubernetes operator (kopf) for DynaTrainJob objects.
+
+The module is named ``operator_`` so that it can never shadow the standard library's
+``operator``; the handlers themselves live in ``dynatrain.operator``.
+"""
 
 from __future__ import annotations
 

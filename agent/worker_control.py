@@ -1,0 +1,295 @@
+"""A worker's state and the agent's side of it: Prepare, Commit, Abort and Status.
+
+:class:`WorkerControl` holds everything a worker process shares between the gRPC server's
+threads and its training loop (one lock, one condition to wake the loop) and implements the
+agent's :class:`~dynatrain.agent.server.Control` over it: Prepare validates a generation and
+starts its background work, Commit hands the prepared generation to the loop and waits for
+the switch, Abort drops it, Status reports. The RPCs only exchange small messages with the
+loop under the lock, so an RPC (good or bad) never blocks or crashes a step. The training loop
+that answers them is :class:`~dynatrain.agent.worker_loop.Worker`.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dynatrain.controller.job import JobSpec
+from dynatrain.trainer.groups import build_groups
+from dynatrain.trainer.redundancy import Redundancy
+from dynatrain.trainer.switch import preallocate
+from dynatrain.trainer.trainer import Trainer
+from dynatrain.vps import abandon
+from dynatrain.vps.generations import DeviceManager
+from dynatrain.vps.layout import Layout, bind
+
+from .metrics import REASONS, Metrics
+from .server import CommitTimeout, InvalidRequest, PreconditionFailed, Recovery
+from .v1 import agent_pb2 as pb
+
+State = pb.StatusResponse.State
+STEP_RECORDS = 1000
+
+
+@dataclass
+class Pending:
+    """A prepared generation and, once it arrives, its Commit."""
+
+    generation: int
+    layout: Layout
+    reason: str
+    future: Future
+    timeout_s: float
+    staging_bytes: int
+    devices_per_node: int = 1
+    old_layout: Layout | None = None
+    recovery: Recovery | None = None
+    checkpoint: str = ""
+    aborted: bool = False
+    commit_at: int | None = None
+    """None until committed; 0 = agreed boundary; else the step counter to switch at."""
+    reply: Future = field(default_factory=Future)
+
+
+class WorkerControl:
+    """A worker's state and the agent's :class:`~dynatrain.agent.server.Control` over it
+    (agent threads); :class:`~dynatrain.agent.worker_loop.Worker` adds the training loop."""
+
+    def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
+                 metrics: Metrics | None = None, torch_device: torch.device | None = None,
+                 checkpoint_dir: str = ""):
+        self.job, self.device, self.backend = job, device, backend
+        self.torch_device = torch_device or torch.device("cpu")
+        self.metrics = metrics or Metrics(reasons=REASONS)
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.state = State.STANDBY
+        self.trainer: Trainer | None = None
+        self.generation = 0
+        self.highest_prepared = 0
+        self.layout: Layout | None = None
+        self.rank = -1
+        self.pending: Pending | None = None
+        self.records: collections.deque = collections.deque(maxlen=STEP_RECORDS)
+        self.last_switch = pb.SwitchReport()
+        self.error = ""
+        self.store = None
+        self.stopping = False
+        self.left_read = threading.Event()
+        self.tokens_per_second = 0.0
+        self.redundancy: Redundancy | None = None
+        self.checkpoint_dir = checkpoint_dir or job.recovery.checkpoint_dir
+        self.checkpoint: tuple[str, int] | None = None
+        self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
+                           if x.strip()}
+        """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""
+        self._graveyard: list = []
+        """Groups of abandoned generations: never used again, never destroyed (tearing down
+        a gloo group with a wait still stuck in it can block)."""
+
+    # -- the Control interface (agent threads) ----------------------------------------------
+    def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
+                rendezvous: str, devices_per_node: int, staging_bytes: int, timeout_s: float,
+                reason: str = "", old_layout: Layout | None = None,
+                recovery: Recovery | None = None, checkpoint: str = "") -> None:
+        """``old_layout`` (with its devices) is the world the switch starts from; None for the
+        job's first generation. Joiners learn it here; members check it against their own.
+        A ``recovery`` abandons the running generation at once (its collectives are cut short)
+        and starts from the in-memory snapshots of ``recovery.restore_step``."""
+        layout = layout.with_devices(devices)
+        try:
+            self.job.train_config(layout)          # fits the model and the batch?
+        except ValueError as e:
+            raise InvalidRequest(f"layout {layout.to_text()!r} cannot run this job: {e}"
+                                 ) from None
+        # A recovery, or a checkpoint start on a device that holds state, replaces the running
+        # generation without moving its live state: cut its collectives short now, so the
+        # training loop (or a transfer in flight) raises and waits, INTERRUPTED, for this one.
+        abandoning = recovery is not None or bool(checkpoint and self.layout is not None)
+        if recovery is not None:
+            self._check_restorable(recovery, old_layout)
+        if abandoning:
+            why = (f"devices {sorted(recovery.failed)} failed" if recovery
+                   else f"restarting from checkpoint {checkpoint}")
+            abandon.abandon(f"generation {self.generation} abandoned: {why} "
+                            f"({reason or 'recovery'})")
+            self._drop_uncommitted()
+        with self.lock:
+            if abandoning:                # a switch in flight fails on the abandon: let it end
+                deadline = time.monotonic() + timeout_s
+                while (self.pending is not None and self.pending.commit_at is not None
+                       and time.monotonic() < deadline):
+                    self.wake.wait(0.05)
+            bad = (State.LEFT, State.FAILED, State.FINISHED)
+            if self.state in bad or (self.state == State.SWITCHING and not abandoning):
+                raise PreconditionFailed(f"device {self.device} is "
+                                         f"{State.Name(self.state)}; it cannot prepare")
+            if generation <= max(self.generation, self.highest_prepared):
+                raise PreconditionFailed(
+                    f"generation {generation} is stale: device {self.device} is at generation "
+                    f"{self.generation} and has prepared up to {self.highest_prepared}")
+            if self.pending is not None and not self.pending.aborted:
+                raise PreconditionFailed(f"generation {self.pending.generation} is still "
+                                         "prepared; abort it first")
+            if (self.layout is None or checkpoint) and self.device not in devices:
+                raise PreconditionFailed(f"device {self.device} holds no state and is not in "
+                                         f"the new layout's devices {list(devices)}")
+            mine = _describe(self.layout)
+            if self.layout is not None and not checkpoint and _describe(old_layout) != mine:
+                raise PreconditionFailed(f"the switch starts from {_describe(old_layout)} but "
+                                         f"device {self.device} runs {mine}")
+            old = old_layout
+            if old is not None and self.device not in old.device_of + tuple(devices):
+                raise PreconditionFailed(f"device {self.device} is in neither layout")
+            self.highest_prepared = generation    # reserved: a second Prepare of g is stale
+        # Outside the lock: connecting may wait, and the training loop must not.
+        try:
+            self._connect(rendezvous, timeout_s)
+        except PreconditionFailed:
+            raise
+        except Exception as e:
+            raise PreconditionFailed(f"rendezvous store {rendezvous} is unreachable from "
+                                     f"device {self.device}: {e}") from e
+        mgr = DeviceManager(self.store, self.device, backend=self.backend,
+                            timeout=timedelta(seconds=timeout_s))
+        model = self.job.model
+        new_bound = bind(layout, model)
+
+        mirror = self.job.recovery.mirror and layout.world > 1
+
+        def build_extra(rank):
+            groups = build_groups(new_bound, rank, mgr.group_factory(generation, layout))
+            # Mirrors travel on a group of their own, beside the training's collectives.
+            return groups, (mgr.build_group(generation, "mirror", list(layout.device_of))
+                            if mirror else None)
+
+        future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
+                             build_extra=build_extra, gpus_per_node=devices_per_node,
+                             dead=recovery.failed if recovery else frozenset(),
+                             proxies=recovery.proxies if recovery else None,
+                             preallocate=(functools.partial(preallocate, device=self.device)
+                                          if self.torch_device.type == "cpu" else None))
+        with self.lock:
+            self.pending = Pending(generation, layout, reason, future, timeout_s, staging_bytes,
+                                    devices_per_node, old, recovery, checkpoint)
+
+    def _check_restorable(self, recovery: Recovery, old_layout: Layout | None) -> None:
+        """A recovery can only start from snapshots and mirrors this device really holds."""
+        if old_layout is None or self.device not in old_layout.device_of:
+            return                                    # holds nothing of the old world
+        r = self.redundancy
+        own, mirrors = r.holdings() if r is not None else ([], [])
+        if recovery.restore_step not in own:
+            raise PreconditionFailed(f"device {self.device} holds snapshots of steps {own}, "
+                                     f"not of step {recovery.restore_step}")
+        for dead, proxy in recovery.proxies.items():
+            if proxy == self.device and recovery.restore_step not in mirrors:
+                raise PreconditionFailed(
+                    f"device {self.device} mirrors steps {mirrors} of device {dead}, not step "
+                    f"{recovery.restore_step}")
+
+    def _drop_uncommitted(self) -> None:
+        with self.lock:
+            p = self.pending
+            if p is not None and p.commit_at is None:
+                p.aborted = True
+                self.pending = None
+
+    def commit(self, generation: int, at_step: int, timeout_s: float) -> pb.CommitResponse:
+        """Switch at a step boundary; a repeated Commit (a restarted controller) waits for the
+        same switch instead of failing."""
+        with self.lock:
+            p = self.pending
+            if p is None or p.aborted or p.generation != generation:
+                have = "nothing" if p is None or p.aborted else f"generation {p.generation}"
+                raise PreconditionFailed(f"device {self.device} has {have} prepared, not "
+                                         f"generation {generation}")
+            if p.commit_at is None:
+                if not p.future.done():
+                    raise PreconditionFailed(f"generation {generation} is not ready yet on "
+                                             f"device {self.device} (Status says when it is)")
+                if p.future.exception() is not None:
+                    raise PreconditionFailed(f"generation {generation} failed to prepare on "
+                                             f"device {self.device}: {p.future.exception()}")
+                if self.state == State.FINISHED:
+                    raise PreconditionFailed(f"the job finished at step {self.trainer.step}")
+                if at_step and self.trainer is not None and self.trainer.step > at_step:
+                    raise PreconditionFailed(f"step {at_step} has passed (device "
+                                             f"{self.device} is at step {self.trainer.step})")
+                p.commit_at = at_step
+                self.wake.notify_all()
+            reply = p.reply
+        try:
+            return reply.result(timeout=timeout_s)
+        except TimeoutError:
+            raise CommitTimeout(f"generation {generation} did not switch within {timeout_s} s "
+                                f"on device {self.device}") from None
+
+    def abort(self, generation: int, reason: str) -> bool:
+        with self.lock:
+            p = self.pending
+            if p is None or p.generation != generation or p.aborted:
+                return False
+            if p.commit_at is not None:
+                raise PreconditionFailed(f"generation {generation} is committed; a switch in "
+                                         "progress cannot be aborted")
+            p.aborted = True
+            self.pending = None
+            return True
+
+    def status(self, since_step: int) -> pb.StatusResponse:
+        with self.lock:
+            p = self.pending
+            out = pb.StatusResponse(
+                state=self.state, device=self.device, generation=self.generation,
+                layout=self.layout.to_text() if self.layout else "",
+                devices=list(self.layout.device_of) if self.layout else [], rank=self.rank,
+                step=self.trainer.step if self.trainer else 0,
+                data_position=self.trainer.position if self.trainer else 0,
+                last_switch=self.last_switch, error=self.error,
+                tokens_per_second=self.tokens_per_second)
+            if p is not None:
+                out.prepared_generation = p.generation
+                out.prepared_layout = p.layout.to_text()
+                out.prepared_devices.extend(p.layout.device_of)
+                out.prepared_committed = p.commit_at is not None
+                out.prepared_ready = p.future.done() and p.future.exception() is None
+                if p.future.done() and p.future.exception() is not None:
+                    out.prepared_error = str(p.future.exception())
+            out.steps.extend(r for r in self.records if r.step > since_step)
+            r = self.redundancy
+            out.mirror_of = -1
+            if r is not None:
+                own, mirrors = r.holdings()
+                out.snapshot_steps.extend(own)
+                out.mirror_steps.extend(mirrors)
+                if r.source is not None and self.layout is not None:
+                    out.mirror_of = self.layout.device_of[r.source]
+            if self.checkpoint is not None:
+                out.checkpoint, out.checkpoint_step = self.checkpoint
+            if self.state == State.LEFT:
+                self.left_read.set()
+            return out
+
+    def _connect(self, rendezvous: str, timeout_s: float) -> None:
+        """A fresh connection to the rendezvous store for each generation: a generation
+        whose preparation is stuck (a member died while its groups were being built) keeps
+        its connection busy until its timeout, and must not hold up the next one."""
+        host, port = rendezvous.rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), is_master=False,
+                                   timeout=timedelta(seconds=timeout_s))
+
+
+def _describe(layout: Layout | None) -> str:
+    if layout is None:
+        return "nothing (a fresh start)"
+    return f"{layout.to_text()} on devices {list(layout.device_of)}"

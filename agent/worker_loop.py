@@ -1,0 +1,267 @@
+"""A worker's training loop: steps, switches at the committed boundary, redundancy.
+
+:class:`Worker` runs on the process's main thread. Between steps it takes what the agent's
+threads left under the lock (:class:`~dynatrain.agent.worker_control.WorkerControl`): a
+committed generation is switched to at the step boundary every rank agreed on, a failed step
+interrupts the generation and waits for a recovery. After each step it takes the in-memory
+snapshot (and mirrors it to the buddy) and, when due, a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from dynatrain.trainer.checkpoint import load_state, save_checkpoint
+from dynatrain.trainer.redundancy import Redundancy
+from dynatrain.trainer.switch import switch
+from dynatrain.trainer.trainer import Trainer
+from dynatrain.vps import abandon
+from dynatrain.vps.generations import PreparedSwitch
+from dynatrain.vps.layout import bind
+from dynatrain.vps.transition import TransitionConfig
+
+from .server import SwitchAborted
+from .v1 import agent_pb2 as pb
+from .worker_control import Pending, State, WorkerControl
+
+LINGER_SECONDS = 5.0
+
+
+class Worker(WorkerControl):
+    """The training loop (main thread) over the state that the agent's Control shares."""
+
+    def run(self) -> int:
+        while True:
+            with self.lock:
+                if self.stopping:
+                    return 0
+                due = self._due()
+                if due is None and (self.trainer is None or self.state == State.FINISHED):
+                    self.wake.wait(timeout=0.2)
+                    continue
+                signal_value = 1.0 if (self.pending and self.pending.commit_at == 0
+                                       and self.trainer is not None) else 0.0
+            if due is not None:
+                self._switch(due)
+                if self.state == State.LEFT:
+                    deadline = time.monotonic() + LINGER_SECONDS
+                    while not (self.left_read.wait(0.2) or self.stopping
+                               or time.monotonic() > deadline):
+                        pass
+                    return 0
+                continue
+            try:
+                result = self.trainer.train_step(
+                    signal_value, self.redundancy.wait_mirror if self.redundancy else None)
+                self._after_step()
+            except Exception as e:                   # a peer died, or we were told so
+                self._interrupt(e)
+                continue
+            self._record(result)
+            with self.lock:
+                if self.trainer.step >= self.job.training.steps:
+                    self.state = State.FINISHED
+                p = self.pending
+                world = self.layout.world
+                if (p is not None and p.commit_at == 0 and signal_value
+                        and round(result.signal) == world):
+                    p.commit_at = -1          # agreed: switch at this boundary
+                    self.wake.notify_all()
+
+    def _after_step(self) -> None:
+        """Redundancy at the step boundary: the in-memory snapshot (and its mirror to the
+        buddy), and the periodic checkpoint when one is due."""
+        t = self.trainer
+        if self.redundancy is not None:
+            self.redundancy.snapshot(t.local_state())
+        if t.step in self.dump_steps:
+            _dump_state(t, f"step{t.step}")
+        every = self.job.recovery.checkpoint_interval
+        if every and self.checkpoint_dir and t.step % every == 0:
+            g = t.g
+            saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
+                                    group=g.world, group_rank=g.rank,
+                                    group_size=self.layout.world,
+                                    keep=self.job.recovery.checkpoint_keep)
+            with self.lock:
+                self.checkpoint = (saved.path, t.step)
+
+    def _interrupt(self, error: Exception) -> None:
+        """The running generation failed under this device: drop the live trainer (its state
+        may be half-way through a step), keep the snapshots, wait for a recovery Prepare."""
+        with self.lock:
+            trainer, self.trainer = self.trainer, None
+            if trainer is not None:
+                self._graveyard.append(trainer.g)
+            self.state = State.INTERRUPTED
+            self.error = f"generation {self.generation} interrupted: {error}"
+            self.wake.notify_all()
+        print(f"device {self.device}: {self.error}", flush=True)
+
+    def _due(self) -> Pending | None:
+        """The committed generation to switch to now, if any (lock held)."""
+        p = self.pending
+        if p is None or p.commit_at is None:
+            return None
+        if self.trainer is None:                      # a joiner / the first generation
+            return p
+        if p.commit_at == -1 or (p.commit_at > 0 and self.trainer.step >= p.commit_at):
+            return p
+        if p.commit_at == 0 and self.layout.world == 1:
+            return p                                  # no one to agree with
+        return None
+
+    def _switch(self, p: Pending) -> None:
+        with self.lock:
+            self.state = State.SWITCHING
+        if p.recovery is not None or p.checkpoint:
+            abandon.reset()        # we are out of the failed generation's collectives now
+        prepared: PreparedSwitch = p.future.result()
+        groups, mirror_group = prepared.extra if prepared.extra is not None else (None, None)
+        prepared = dataclasses.replace(prepared, extra=groups)   # what the trainer is built on
+        new_cfg = self.job.train_config(p.layout)
+        old_layout = self.layout
+        step_before = self.trainer.step if self.trainer is not None else 0
+        t0 = time.perf_counter()
+        try:
+            if prepared.plan is None:                 # the first generation
+                state = None
+                if p.checkpoint:                      # ... from a checkpoint, any layout
+                    state = load_state(bind(p.layout, self.job.model), prepared.new_rank,
+                                       p.checkpoint, device=self.torch_device)
+                trainer = Trainer(new_cfg, groups, device=self.torch_device, state=state)
+                pause = time.perf_counter() - t0
+                phases = {"rebuild": pause}
+                sent = received = local = 0
+            else:
+                holder = [self.trainer] if self.trainer is not None else []
+                self.trainer = None
+                restored, mirrored = self._restore(p)
+                res = switch(holder, prepared, new_cfg, self.device,
+                             config=TransitionConfig(staging_bytes=p.staging_bytes,
+                                                     timeout=timedelta(seconds=p.timeout_s)),
+                             torch_device=self.torch_device, restored=restored,
+                             mirrored=mirrored, graveyard=self._graveyard)
+                trainer, pause, phases = res.trainer, res.pause_seconds, dict(res.phases)
+                sent, received = res.transfer.bytes_sent, res.transfer.bytes_received
+                local = res.transfer.bytes_local
+                print(f"device {self.device}: generation {p.generation}: pause "
+                      f"{pause * 1e3:.1f} ms; {res.transfer.bytes_copied} bytes copied, "
+                      f"{res.transfer.bytes_carved} carved, {res.transfer.bytes_adopted} "
+                      f"adopted, {res.transfer.bytes_allocated} allocated in the pause",
+                      flush=True)
+            redundancy = None
+            if trainer is not None:
+                # Own snapshots always (a failure rolls every survivor back to one step);
+                # mirrors to the buddy when the job asks for them.
+                redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
+                                        mirror_group, mirror=mirror_group is not None,
+                                        ranks_per_node=p.devices_per_node, wait=abandon.wait)
+                redundancy.snapshot(trainer.local_state())   # a failure now restores here
+        except Exception as e:      # TransitionError, GenerationAbandoned, anything else
+            # The switch did not happen here; the snapshots taken before it still hold (a
+            # failed switch is recovered like a failed step).
+            with self.lock:
+                self.trainer = None
+                if self.pending is p:
+                    self.pending = None
+                # Its groups may have waits stuck in them (see _graveyard).
+                self._graveyard.append((prepared.transition_group, groups, mirror_group))
+                holds_state = self.redundancy is not None or old_layout is None
+                self.state = State.INTERRUPTED if holds_state else State.FAILED
+                self.error = f"switch to generation {p.generation} failed: {e}"
+                self.wake.notify_all()
+            print(f"device {self.device}: {self.error}", flush=True)
+            self.metrics.observe_switch(p.reason or "unknown", "failed", {}, 0)
+            p.reply.set_exception(SwitchAborted(str(e)))
+            return
+        phases["prepare"] = prepared.seconds
+        step = trainer.step if trainer is not None else step_before
+        reply = pb.CommitResponse(
+            generation=p.generation, step=step, pause_seconds=pause, phase_seconds=phases,
+            bytes_sent=sent, bytes_received=received, bytes_local=local,
+            new_rank=-1 if prepared.new_rank is None else prepared.new_rank)
+        self.metrics.observe_switch(p.reason or "unknown", "success",
+                                    {"prepare": prepared.seconds, "pause": pause,
+                                     "transfer": phases.get("transfer", 0.0)}, sent)
+        with self.lock:
+            old_redundancy, self.redundancy = self.redundancy, redundancy
+            self.trainer = trainer
+            self.generation = p.generation
+            self.pending = None
+            self.error = ""
+            if p.recovery is not None or p.checkpoint:
+                # Steps after the restored one were lost with the failed generation; they are
+                # trained again (and reported again) from here.
+                kept = [r for r in self.records if r.step <= step]
+                self.records.clear()
+                self.records.extend(kept)
+            self.last_switch = pb.SwitchReport(
+                generation=p.generation, from_layout=old_layout.to_text() if old_layout else "",
+                to_layout=p.layout.to_text(), step=step, pause_seconds=pause,
+                bytes_sent=sent, bytes_received=received)
+            if trainer is None:
+                self.state, self.layout, self.rank = State.LEFT, None, -1
+            else:
+                self.layout, self.rank = p.layout, prepared.new_rank
+                done = trainer.step >= self.job.training.steps
+                self.state = State.FINISHED if done else State.TRAINING
+                self.metrics.set_layout(p.layout)
+            self.metrics.set_generation(p.generation)
+            self.wake.notify_all()
+        if old_redundancy is not None:
+            old_redundancy.close()
+        if trainer is not None and (p.recovery is not None or p.checkpoint):
+            _dump_state(trainer, f"gen{p.generation}")
+        p.reply.set_result(reply)
+
+    def _restore(self, p: Pending):
+        """A recovery's old state: this device's snapshot of the restore step (if it was in
+        the old world) and the mirrors it holds for failed devices (if it is their proxy)."""
+        rec = p.recovery
+        if rec is None or self.redundancy is None:
+            return None, None
+        restored = None
+        if p.old_layout is not None and self.device in p.old_layout.device_of:
+            restored = self.redundancy.restore(rec.restore_step)
+        mirrored = {dead: self.redundancy.restore_mirror(rec.restore_step)
+                    for dead, proxy in rec.proxies.items() if proxy == self.device}
+        return restored, mirrored or None
+
+    def _record(self, r) -> None:
+        rec = pb.StepRecord(step=r.step, loss=r.loss, seconds=r.seconds,
+                            tokens_per_second=r.tokens_per_second, generation=self.generation,
+                            sample_begin=r.samples[0], sample_end=r.samples[1],
+                            end_time=time.time())
+        with self.lock:
+            self.records.append(rec)
+            self.tokens_per_second = r.tokens_per_second
+        self.metrics.observe_step(r.seconds, r.tokens_per_second, r.step)
+
+    def stop(self) -> None:
+        """Ask the loop to end at the next step boundary. Safe in a signal handler: it takes
+        no lock (the handler runs on the main thread, which may hold the lock right then);
+        the loop polls the flag at least every 0.2 s."""
+        self.stopping = True
+
+
+def _dump_state(trainer: Trainer, tag: str) -> None:
+    """For ``dynatrain bench chaos``: with DYNATRAIN_DUMP_RESTORED=DIR, write the state a
+    recovery restored (``DIR/gen<g>-rank<r>.pt``), or the state after a step named in
+    DYNATRAIN_DUMP_STEPS (``DIR/step<s>-rank<r>.pt``), to be compared across runs."""
+    out = os.environ.get("DYNATRAIN_DUMP_RESTORED")
+    if not out:
+        return
+    st = trainer.local_state()
+    cpu = {k: (t.detach().cpu().clone(), pieces) for k, (t, pieces) in st.tensors.items()}
+    path = Path(out) / f"{tag}-rank{trainer.g.rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"tensors": cpu, "step": st.step, "data_position": st.data_position,
+                "layout": trainer.lay.to_text(), "world": trainer.lay.world}, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)

@@ -1,0 +1,224 @@
+"""The processes of the switch benchmark (:mod:`dynatrain.bench.switch`), and their probes.
+
+:func:`live_worker` is one device of the live run: it trains under the old layout, prepares
+and performs the switch, measures the pause, the bandwidth and the floor, and checks what
+arrived against DCP's resharding of the saved state. :func:`restart_worker` is one process of
+the checkpoint-and-restart baseline. Both report through a multiprocessing queue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+
+def _rss() -> tuple[int, int]:
+    """(current, peak) resident set size of this process, in bytes."""
+    cur = peak = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    return cur, peak
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def _probe_bandwidth(group, group_rank, device: int, nbytes: int = 64 << 20) -> float:
+    """Bytes/s from device 0 to device 1 over ``group`` (best of 3); 0 on other devices."""
+    import torch
+
+    if device not in (0, 1):
+        return 0.0
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for i in range(3):
+        t0 = time.perf_counter()
+        if device == 0:
+            group.send([buf], group_rank[1], 100 + i).wait()
+            group.recv([buf[:1]], group_rank[1], 200 + i).wait()
+        else:
+            group.recv([buf], group_rank[0], 100 + i).wait()
+            group.send([buf[:1]], group_rank[0], 200 + i).wait()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs: dict
+                 ) -> list[float]:
+    """Seconds this device takes to move its switch's bytes by the simplest means, with every
+    device doing the same at the same moment, for each of 3 tries (a barrier before each).
+
+    The same bytes as its part of the switch: ``copied`` bytes by one memcpy, then one message
+    per peer (``sends``/``recvs``: peer device -> bytes) straight from and into ready buffers:
+    no rounds, no packing, no page faults. On one machine the devices share its cores and
+    memory, so a copy or a pair measured alone would overstate what each device gets; the
+    floor is the best try's slowest device (:func:`dynatrain.bench.switch.bench_switch`)."""
+    import torch
+    import torch.distributed as dist
+
+    src = torch.ones(copied, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    out = {d: torch.ones(n, dtype=torch.uint8) for d, n in sorted(sends.items())}
+    into = {d: torch.zeros(n, dtype=torch.uint8) for d, n in sorted(recvs.items())}
+    tries = []
+    for i in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if copied:
+            dst.copy_(src)
+        works = [group.send([buf], group_rank[d], 300 + i) for d, buf in out.items()]
+        works += [group.recv([buf], group_rank[d], 300 + i) for d, buf in into.items()]
+        for w in works:
+            w.wait()
+        tries.append(time.perf_counter() - t0)
+    return tries
+
+
+def _state_bytes(local_state) -> int:
+    return sum(t.numel() * t.element_size() for t, _ in local_state.tensors.values())
+
+
+def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
+                 dump, threads, results, timeout_s, steps):
+
+    import torch
+    import torch.distributed as dist
+
+    from dynatrain.trainer.checkpoint import load_state, save_state
+    from dynatrain.trainer.groups import build_groups
+    from dynatrain.trainer.switch import preallocate, switch
+    from dynatrain.trainer.trainer import Trainer, warm_up
+    from dynatrain.vps.generations import DeviceManager
+    from dynatrain.vps.layout import bind
+    from dynatrain.vps.transition import TransitionConfig
+
+    torch.set_num_threads(threads)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=device,
+                            world_size=world, timeout=timeout)
+    model = old_cfg.model
+    n_old = old_cfg.layout.world
+    old_layout = old_cfg.layout.with_devices(range(n_old))
+    save_group = dist.new_group(list(range(n_old)))        # DCP needs a registered group
+    mgr = DeviceManager(store, device, timeout=timeout)
+    holder = []
+    if device < n_old:
+        groups = build_groups(bind(old_layout, model), device, mgr.group_factory(0, old_layout))
+        holder.append(Trainer(old_cfg, groups))
+    else:
+        warm_up()                                           # a joiner in standby
+    new_bound = bind(new_layout, model)
+    config = TransitionConfig(**engine, timeout=timeout)
+    future = mgr.prepare(1, model, old_layout, new_layout, staging_bytes=config.staging_bytes,
+                         build_extra=lambda r: build_groups(new_bound, r,
+                                                            mgr.group_factory(1, new_layout)),
+                         preallocate=lambda p: preallocate(p, device, config))
+    losses_before = [holder[0].train_step().loss for _ in range(steps[0])] if holder else []
+    prepared = future.result(timeout=timeout_s)
+    bandwidth = _probe_bandwidth(prepared.transition_group, prepared.group_rank, device)
+
+    old_bytes = 0
+    save_s = 0.0
+    if holder:
+        st = holder[0].local_state()
+        old_bytes = _state_bytes(st)
+        t0 = time.perf_counter()
+        save_state(st, model, ckpt, save_group)
+        save_s = time.perf_counter() - t0
+        if dump:
+            _put_state(results, "before", st)
+        del st
+    # The reference checkpoint just written sits in the page cache as dirty pages; the kernel
+    # writing them back during the pause would slow the switch's copies by up to a third.
+    os.sync()
+    dist.barrier()
+    _reset_peak_rss()
+    rss_before, _ = _rss()
+    dist.barrier()                                          # everyone starts the pause together
+    res = switch(holder, prepared, new_cfg, device, config=config)
+    _, peak = _rss()
+    if res.freeing is not None:
+        res.freeing.join()                                  # the probe needs a quiet machine
+    sends, recvs = {}, {}
+    for msg in (m for msgs in prepared.rounds for m in msgs):
+        if msg.src == device:
+            sends[msg.dst] = sends.get(msg.dst, 0) + msg.nbytes
+        if msg.dst == device:
+            recvs[msg.src] = recvs.get(msg.src, 0) + msg.nbytes
+    # Carved bytes count as copied: the floor is of the plan's data movement, which carving
+    # avoids rather than does faster.
+    floor_tries = _probe_floor(prepared.transition_group, prepared.group_rank, device,
+                               res.transfer.bytes_local, sends, recvs)
+    bitwise, losses_after, new_bytes = True, [], 0
+    if res.trainer is not None:
+        got = res.trainer.local_state()
+        new_bytes = _state_bytes(got)
+        ref = load_state(new_bound, prepared.new_rank, ckpt)
+        bitwise = (got.step == ref.step and got.data_position == ref.data_position
+                   and all(torch.equal(got.tensors[k][0], ref.tensors[k][0]) for k in ref.tensors))
+        if dump:
+            _put_state(results, "after", got)
+        del got, ref
+        losses_after = [res.trainer.train_step().loss for _ in range(steps[1])]
+    results.put(("device", {
+        "device": device, "pause": res.pause_seconds, "transfer": res.transfer.seconds,
+        "prepare": prepared.seconds, "save": save_s, "bandwidth": bandwidth,
+        "floor_tries": floor_tries,
+        "copied": res.transfer.bytes_copied, "adopted": res.transfer.bytes_adopted,
+        "preallocated": res.transfer.bytes_preallocated, "carved": res.transfer.bytes_carved,
+        "allocated": res.transfer.bytes_allocated,
+        "bitwise": bitwise, "losses_before": losses_before, "losses_after": losses_after,
+        "rss_before": rss_before, "peak_rss": peak, "old_bytes": old_bytes,
+        "new_bytes": new_bytes, "sent": res.transfer.bytes_sent,
+        "received": res.transfer.bytes_received, "staging_peak": res.transfer.peak_staging_bytes,
+        "rounds": res.transfer.rounds, "phases": res.phases}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _put_state(results, tag, st) -> None:
+    import io
+
+    import torch
+
+    from dynatrain.vps.carving import owned
+
+    buf = io.BytesIO()
+    torch.save({k: (owned(t.detach().cpu()), p) for k, (t, p) in st.tensors.items()}, buf)
+    results.put((tag, buf.getvalue()))
+
+
+def restart_worker(rank, world, port, new_cfg, new_layout, ckpt, threads, results, timeout_s,
+                    steps):
+    import torch
+    import torch.distributed as dist
+
+    from dynatrain.trainer.checkpoint import load_state
+    from dynatrain.trainer.groups import build_groups
+    from dynatrain.trainer.trainer import Trainer
+    from dynatrain.vps.layout import bind
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    bound = bind(new_layout, new_cfg.model)
+    groups = build_groups(bound, rank)
+    state = load_state(bound, rank, ckpt)
+    trainer = Trainer(new_cfg, groups, state=state)
+    dist.barrier()
+    ready = time.time()
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    results.put(("restart", {"rank": rank, "ready": ready, "losses": losses}))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,160 @@
+"""Device profiles: what the cost model knows about a device and its links, and presets.
+
+A :class:`DeviceProfile` holds the figures :mod:`dynatrain.controller.costmodel` prices a
+layout with (matmul, attention and elementwise rates, memory and its bandwidth, collective
+bandwidth and latency, host time per operator) and how a world of ranks sees them when the
+ranks are worker processes sharing one machine's cores. :data:`PROFILES` has presets for
+H100, A100 and this machine's CPU; :mod:`dynatrain.controller.calibrate` measures the CPU one.
+Plain data and arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the cost model needs to know about one device (and its links)."""
+
+    flops_per_second: float
+    """Sustained dense matmul throughput of one device in the model's dtype (per core when
+    ``shared_cores`` is set)."""
+    memory_bytes: int
+    """Usable memory per device (the whole machine's when ``shared_cores`` is set)."""
+    intra_node_bytes_per_second: float
+    """Achieved collective (bus) bandwidth between devices of one node."""
+    inter_node_bytes_per_second: float
+    """Achieved collective bandwidth per device across nodes."""
+    devices_per_node: int = 8
+    latency_seconds: float = 20e-6
+    """Fixed cost of one collective or point-to-point message."""
+    group_latency_seconds: tuple[tuple[int, float], ...] = ()
+    """(group size, latency) where the latency depends on the group's size, as measured by
+    :func:`~dynatrain.controller.calibrate.measure_gloo_link` for ranks sharing cores (a
+    group larger than the number of ranks that can run at once must wait for the scheduler
+    to run each member). A group of a size not listed takes the entry of the largest listed
+    size below it, else ``latency_seconds``."""
+    name: str = ""
+    memory_bytes_per_second: float = 2e12
+    """Sustained memory bandwidth of streaming kernels: the optimizer, bucket copies (per core
+    with ``shared_cores``)."""
+    elementwise_bytes_per_second: float = 0.0
+    """Bytes read + written per second by the activations' elementwise kernels (norms, GELU /
+    SiLU, softmax, residual adds); 0 means ``memory_bytes_per_second``. Memory-bound on GPUs;
+    on CPUs the transcendental functions make it several times slower than a copy."""
+    attention_flops_per_second: float = 0.0
+    """Sustained rate of fused attention (scaled_dot_product_attention forward + backward,
+    causal flops); 0 means ``flops_per_second``. Flash kernels reach about half the GEMM rate
+    on GPUs, CPU kernels a quarter."""
+    op_seconds: float = 0.0
+    """Host time per operator (dispatch, autograd bookkeeping), paid on the critical path
+    when the device runs operators synchronously (CPU); 0 for GPUs, whose asynchronous
+    launches overlap it with device work at the sizes this solver is for."""
+    reserved_bytes: int = 0
+    """Memory per device that training cannot use: runtime context, communicator buffers,
+    allocator fragmentation."""
+    shared_cores: int = 0
+    """0 for accelerators. C > 0: the devices are worker processes sharing C CPU cores of one
+    machine (see "Ranks that share CPU cores" in :mod:`dynatrain.controller.costmodel`)."""
+
+    # -- how a world of ``world`` ranks sees this profile ---------------------------------------
+    def latency(self, group_size: int) -> float:
+        """Fixed cost of one collective among ``group_size`` ranks (2: point-to-point)."""
+        best = None
+        for n, seconds in sorted(self.group_latency_seconds):
+            if n <= group_size:
+                best = seconds
+        return self.latency_seconds if best is None else best
+
+    def threads_per_rank(self, world: int) -> int:
+        return max(1, self.shared_cores // world) if self.shared_cores else 1
+
+    def rank_flops(self, world: int) -> float:
+        return self.flops_per_second * self.threads_per_rank(world)
+
+    def rank_memory_bandwidth(self, world: int) -> float:
+        return self.memory_bytes_per_second * self.threads_per_rank(world)
+
+    def elementwise_rate(self) -> float:
+        return self.elementwise_bytes_per_second or self.memory_bytes_per_second
+
+    def rank_elementwise_rate(self, world: int) -> float:
+        return self.elementwise_rate() * self.threads_per_rank(world)
+
+    def rank_attention_flops(self, world: int) -> float:
+        return (self.attention_flops_per_second or self.flops_per_second) \
+            * self.threads_per_rank(world)
+
+    def concurrent_ranks(self, world: int) -> float:
+        """How many ranks can compute at full speed at the same time."""
+        if not self.shared_cores:
+            return math.inf
+        return self.shared_cores / self.threads_per_rank(world)
+
+    def rank_memory(self, world: int) -> int:
+        return self.memory_bytes // world if self.shared_cores else self.memory_bytes
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity), or all of the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine_memory() -> int:
+    """Available memory of this machine (MemAvailable), or total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 * GiB
+
+
+# Presets. Matmul rates are ~2/3 of the datasheet's dense bf16 peak, what large GEMMs sustain
+# (and an upper bound for a whole model); attention rates are what FlashAttention-2 reports
+# for forward + backward (Dao 2023: ~50-70% of peak on A100, ~350 TFLOPS on H100);
+# collective bandwidths are NCCL bus bandwidths that nccl-tests typically report on such
+# systems, below the link's nominal one-way rate; 2 GiB reserved covers the CUDA context,
+# NCCL buffers and allocator fragmentation.
+PROFILES: dict[str, DeviceProfile] = {
+    # H100 SXM5 80 GB (NVIDIA datasheet: 989 TFLOPS dense bf16, 3.35 TB/s HBM3, NVLink 4 at
+    # 450 GB/s per direction; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU = 50 GB/s).
+    "h100": DeviceProfile(
+        name="h100", flops_per_second=650e12, memory_bytes=80 * 10**9,
+        intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
+        devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=3.0e12,
+        attention_flops_per_second=350e12, reserved_bytes=2 * GiB),
+    # A100 SXM4 80 GB (312 TFLOPS dense bf16, 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per
+    # direction; DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s).
+    "a100": DeviceProfile(
+        name="a100", flops_per_second=205e12, memory_bytes=80 * 10**9,
+        intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
+        devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.8e12,
+        attention_flops_per_second=170e12, reserved_bytes=2 * GiB),
+    # Worker processes on this machine (the local runner): a static guess per core of a
+    # recent x86 server core with AVX-512, from the project's 2-core CI VM (~100 GFLOPS fp32
+    # for 512^3 matmuls, ~30 GFLOPS for attention at head dim 32, ~13 GB/s through torch's
+    # AdamW, ~8 GB/s for a norm/add/GELU mix, ~5 us per operator, gloo over loopback TCP
+    # ~1 GB/s and ~0.3 ms per collective while no more ranks than cores). 300 MiB reserved
+    # per rank: a torch process's resident baseline. Prefer calibrate.measure_cpu_profile(), and
+    # pass it measure_gloo_link(n) when ranks outnumber cores: then a collective costs ms.
+    "cpu": DeviceProfile(
+        name="cpu", flops_per_second=100e9, memory_bytes=machine_memory(),
+        intra_node_bytes_per_second=1e9, inter_node_bytes_per_second=1e9,
+        devices_per_node=1 << 16, latency_seconds=300e-6, memory_bytes_per_second=13e9,
+        elementwise_bytes_per_second=8e9, attention_flops_per_second=30e9, op_seconds=5e-6,
+        reserved_bytes=300 << 20, shared_cores=cpu_cores()),
+}

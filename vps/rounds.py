@@ -1,0 +1,113 @@
+"""The rounds of a switch's network transfers and the staging they need, alike on every device.
+
+Every device derives the same rounds from the same full plan (:func:`schedule_rounds`), so
+sends and receives always pair up and the schedule cannot deadlock: in a round each device
+posts all its sends and receives at once, one message per peer, that peer's small regions
+packed into one contiguous staging buffer. Regions of at least ``direct_bytes`` travel as
+messages of their own, straight from the old tensor into the new one (:func:`split_direct`),
+because for them packing costs a whole extra copy on each side and saves one message's
+overhead of microseconds. Rounds are filled greedily so that no device stages more than
+``staging_bytes`` (sent plus received) in one round; a single region larger than the budget
+travels alone. :func:`staging_need` sizes the one staging buffer a device reuses in every
+round. Pure arithmetic over the plan, no torch: rounds are scheduled before the pause.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .planner import Plan
+
+MiB = 1 << 20
+DIRECT_BYTES = 1 * MiB
+"""Default size from which a region travels as a message of its own
+(:attr:`~dynatrain.vps.transition.TransitionConfig.direct_bytes`)."""
+
+
+class Item(NamedTuple):
+    """One region of one tensor: a Move expanded to a single tensor of its group."""
+
+    move: int
+    """Index into ``plan.transfers``."""
+    name: str
+    nbytes: int
+
+
+class Message(NamedTuple):
+    src: int
+    dst: int
+    items: tuple[Item, ...]
+    nbytes: int
+
+
+def schedule_rounds(plan: Plan, staging_bytes: int) -> list[list[Message]]:
+    """The rounds of network messages, the same on every device (it reads the full plan).
+
+    Messages go per (sending process, receiver) pair: what a proxy sends from its own old
+    tensors and from a mirror to the same receiver shares one queue, in plan order, which is
+    the same on every device because the plan is.
+    """
+    queues: dict[tuple[int, int], list[Item]] = {}
+    for i, m in enumerate(plan.transfers):
+        for name in plan.groups[m.group].names:
+            queues.setdefault((m.src, m.dst), []).append(Item(i, name, m.nbytes))
+    pairs = sorted(queues)
+    heads = {p: 0 for p in pairs}
+    rounds: list[list[Message]] = []
+    while pairs:
+        used: dict[int, int] = {}
+        messages = []
+        for pair in pairs:
+            src, dst = pair
+            q, h = queues[pair], heads[pair]
+            take, size = h, 0
+            while take < len(q):
+                n = q[take].nbytes
+                fits = (used.get(src, 0) + size + n <= staging_bytes
+                        and used.get(dst, 0) + size + n <= staging_bytes)
+                alone = take == h and used.get(src, 0) == 0 and used.get(dst, 0) == 0
+                if not (fits or alone):
+                    break
+                size += n
+                take += 1
+                if not fits:  # an oversized region travels alone
+                    break
+            if take > h:
+                messages.append(Message(src, dst, tuple(q[h:take]), size))
+                used[src] = used.get(src, 0) + size
+                used[dst] = used.get(dst, 0) + size
+                heads[pair] = take
+        rounds.append(messages)
+        pairs = [p for p in pairs if heads[p] < len(queues[p])]
+    return rounds
+
+
+CHECKSUM_BYTES = 16
+"""Room after a message's payload for its two 64-bit checksums (when they are on)."""
+_ALIGN = 64
+"""Messages start at multiples of this in the staging buffer, so any dtype can view them."""
+
+
+def slot_bytes(nbytes: int) -> int:
+    """Staging bytes one message occupies: payload, room for its checksums, alignment."""
+    return -(-(nbytes + CHECKSUM_BYTES) // _ALIGN) * _ALIGN
+
+
+def split_direct(msg: Message, direct_bytes: int | None) -> tuple[list[int], list[int]]:
+    """Indices of ``msg``'s items that are packed, and of those that travel direct. Both ends
+    decide from sizes alone, so they agree without asking."""
+    packed, direct = [], []
+    for j, it in enumerate(msg.items):
+        (direct if direct_bytes is not None and it.nbytes >= direct_bytes else packed).append(j)
+    return packed, direct
+
+
+def staging_need(rounds: list[list[Message]], device: int,
+                 direct_bytes: int | None = DIRECT_BYTES) -> int:
+    """Bytes of staging ``device`` packs into in its busiest round: the size of one buffer
+    that every round can reuse (``direct_bytes=None``: everything packed, as with checksums)."""
+    def slot(msg):
+        packed = split_direct(msg, direct_bytes)[0]
+        return slot_bytes(sum(msg.items[j].nbytes for j in packed)) if packed else 0
+    return max([sum(slot(m) for m in messages if device in (m.src, m.dst))
+                for messages in rounds] + [0])
