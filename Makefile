@@ -1,19 +1,22 @@
 # The README's two commands, `make demo` and `make test`, each set up from nothing.
 # The environment lives in .venv; it is rebuilt when pyproject.toml changes.
+# Every step of `make test` prints how long it took (`[phase] NAME: N s`, tools/phase).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+PHASE  := tools/phase
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test go-tools bench bench-smoke clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "DynaTrain needs Python >= 3.11, found " + sys.version.split()[0]'
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	@$(PHASE) "setup: .venv and Python packages" sh -c '\
+	  $(PYTHON) -m venv $(VENV) && \
+	  $(BIN)/pip install --quiet --upgrade pip && \
+	  $(BIN)/pip install --quiet -e ".[test]"'
 	@touch $@
 
 # The main job: a small elastic job on this machine. Four workers train gpt-tiny; one is
@@ -22,10 +25,20 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
 
-# Tests need a real Prometheus (Debian's package; installed once, root or sudo).
-test: setup
-	tools/install-prometheus.sh
-	$(BIN)/python -m pytest
+# Tests need a real Prometheus (Debian's package; installed once, root or sudo) and the
+# control plane and helm built from their pinned Go modules (cached under ~/.cache/dynatrain).
+test: setup go-tools
+	@$(PHASE) "test: prometheus" tools/install-prometheus.sh
+	@$(PHASE) "test: pytest" $(BIN)/python -m pytest
+
+go-tools: setup
+	@$(PHASE) "setup: control plane from tools/k8s" $(BIN)/dynatrain dev cluster --build-only
+	@$(PHASE) "setup: helm from tools/helm" $(BIN)/dynatrain chart build-helm
+
+# A few minutes, for CI: small live switches (bit-exact against DCP, losses equal to a
+# restart's) and the plan-quality suite; a correctness failure fails, timings are printed only.
+bench-smoke: setup
+	@$(PHASE) "bench smoke" $(BIN)/python benchmarks/smoke.py
 
 # Figures, not pass/fail on timing: plan quality (bytes, exact), plan speed, the agent's and
 # the redundancy's cost on step time, recovery from killed workers vs checkpoint-and-restart,
