@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()
+    if job.recovery.checkpoint_interval and worker.checkpoint_dir:
+        # DCP is imported lazily (~1.4 s); a job that checkpoints pays it here, not in a step.
+        import dynatrain.trainer.dcp_planners  # noqa: F401
     server = serve(worker, host=args.host, port=args.agent_port, token_file=args.token_file,
                    insecure=args.insecure)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())

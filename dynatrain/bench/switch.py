@@ -52,11 +52,11 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
                  direct_bytes: int | None = None, carve: bool = True,
                  baseline: bool = True, dump: str | None = None, timeout_s: float = 600.0,
                  steps_before: int = STEPS_BEFORE, steps_after: int = STEPS_AFTER,
-                 progress=None) -> dict:
+                 progress=None, restart_fresh: bool = True) -> dict:
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
+    from dynatrain.trainer import processes
     from dynatrain.trainer.launch import free_port
     from dynatrain.vps.placement import place_devices
     from dynatrain.vps.planner import plan_switch
@@ -77,9 +77,9 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
         say(f"live: {world} processes, {old_cfg.layout.to_text()} -> {new_layout.to_text()}")
         store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
                               wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-        ctx = mp.get_context("spawn")
+        ctx = processes.context()
         results = ctx.Queue()
-        procs = mp.start_processes(
+        procs = processes.start_ranks(
             live_worker, args=(world, store.port, old_cfg, new_cfg, new_layout,
                                 dict(staging_bytes=staging_bytes, checksums=checksums,
                                      carve=carve,
@@ -87,7 +87,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
                                         else {"direct_bytes": direct_bytes})),
                                 ckpt, dump, threads, results, timeout_s,
                                 (steps_before, steps_after)),
-            nprocs=world, join=False, start_method="spawn")
+            nprocs=world)
         expected = world + ((n_old + n_new) if dump else 0)
         messages = _collect(procs, results, expected, deadline, "live switch")
         devices = [m for tag, m in messages if tag == "device"]
@@ -151,12 +151,15 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
             g <= b for g, b in zip(out["rss_growth_bytes"], out["rss_growth_bound_bytes"]))
         if baseline:
             say(f"baseline: checkpoint-and-restart into {n_new} fresh processes")
-            results = ctx.Queue()
+            # A restart starts fresh interpreters (that is part of what it costs), unless the
+            # caller only wants its losses (restart_fresh=False: forked, torch preloaded).
+            method = "spawn" if restart_fresh else None
+            results = processes.context(method).Queue()
             started = time.time()
-            procs = mp.start_processes(
+            procs = processes.start_ranks(
                 restart_worker, args=(n_new, free_port(), new_cfg, new_layout, ckpt, threads,
                                        results, timeout_s, steps_after),
-                nprocs=n_new, join=False, start_method="spawn")
+                nprocs=n_new, method=method)
             restarted = [m for _, m in _collect(procs, results, n_new, deadline, "restart")]
             ready = max(m["ready"] for m in restarted)
             out["restart_seconds"] = out["save_seconds"] + (ready - started)

@@ -221,16 +221,14 @@ def measure_gloo_link(world: int, *, message_bytes: int = 128 << 10,
     import queue
     import socket
 
-    import torch.multiprocessing as mp
+    from dynatrain.trainer import processes
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = mp.start_processes(_link_worker, args=(world, port, message_bytes, large_bytes,
-                                                   repeats, results),
-                               nprocs=world, join=False, start_method="spawn")
+    results = processes.context().Queue()
+    procs = processes.start_ranks(_link_worker, args=(world, port, message_bytes, large_bytes,
+                                                      repeats, results), nprocs=world)
     try:
         t = results.get(timeout=timeout_s)
     except queue.Empty:

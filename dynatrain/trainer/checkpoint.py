@@ -49,13 +49,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dynatrain.vps import abandon
 from dynatrain.vps.mapping import rank_shards
@@ -76,65 +69,6 @@ class CheckpointError(RuntimeError):
 
 def _fqn(name: str, state: str) -> str:
     return f"{name}/{state}"
-
-
-class _PieceSavePlanner(DefaultSavePlanner):
-    def __init__(self, chunks: dict[str, list[tuple[tuple, torch.Tensor]]],
-                 sizes: dict[str, torch.Size]):
-        super().__init__()
-        self.chunks, self.sizes = chunks, sizes
-        self._lookup = {(f, tuple(o)): t for f, cs in chunks.items() for o, t in cs}
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
-        self.state_dict, self.is_coordinator = state_dict, is_coordinator
-        self.mappings = {}  # DefaultSavePlanner's flattening map: nothing is flattened here
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, chunks in self.chunks.items():
-            for offsets, t in chunks:
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size()),
-                        properties=TensorProperties.create_from_tensor(t),
-                        size=self.sizes[fqn])))
-        self.plan = SavePlan(items, planner_data={})
-        return self.plan
-
-    def resolve_data(self, write_item):
-        return self._lookup[(write_item.index.fqn, tuple(write_item.index.offset))]
-
-
-class _PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads ``chunks`` (all required) and, when the checkpoint has one, RNG row ``rng_row``."""
-
-    def __init__(self, chunks: dict[str, list[tuple[tuple, torch.Tensor]]],
-                 rng_row: int | None = None):
-        super().__init__()
-        self.chunks, self.rng_row = chunks, rng_row
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
-
-    def create_local_plan(self) -> LoadPlan:
-        saved = self.metadata.state_dict_metadata
-        if self.rng_row is not None and _RNG in saved:
-            # Its size is only known from the checkpoint: allocate it now. Older checkpoints
-            # have no RNG and load without one.
-            rows, nbytes = saved[_RNG].size
-            self.chunks[_RNG] = [((self.rng_row % rows, 0),
-                                  torch.empty((1, nbytes), dtype=torch.uint8))]
-        requests = []
-        for fqn, chunks in self.chunks.items():
-            if fqn not in saved:
-                raise KeyError(f"checkpoint has no {fqn}")
-            local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in chunks]
-            requests += create_read_items_for_chunk_list(fqn, saved[fqn], local)
-        return LoadPlan(requests)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.chunks[index.fqn][index.index][1]
 
 
 def _chunks(tensors: dict) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
@@ -171,8 +105,12 @@ def save_state(state: LocalState, model, path: str, process_group=None) -> None:
     rank, world = 0, 1
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_planners import PieceSavePlanner
+
     chunks, sizes = _state_chunks(state, model, rank, world)
-    dcp.save({}, checkpoint_id=path, planner=_PieceSavePlanner(chunks, sizes),
+    dcp.save({}, checkpoint_id=path, planner=PieceSavePlanner(chunks, sizes),
              process_group=process_group)
 
 
@@ -182,6 +120,10 @@ def load_state(bound, rank: int, path: str, device=None) -> LocalState:
     Reads in this process only (no collective), so any number of ranks of any layout can load
     the same checkpoint. ``rng`` is ``{"cpu": ByteTensor}`` when the checkpoint has RNG states.
     """
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_planners import PieceLoadPlanner
+
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, _METADATA)):
         raise FileNotFoundError(f"{path!r} is not a complete checkpoint (it has no {_METADATA}); "
@@ -194,7 +136,7 @@ def load_state(bound, rank: int, path: str, device=None) -> LocalState:
     chunks = _chunks(tensors)
     scalars = torch.zeros(2, dtype=torch.int64)
     chunks[_SCALARS] = [((0,), scalars)]
-    planner = _PieceLoadPlanner(chunks, rng_row=rank)
+    planner = PieceLoadPlanner(chunks, rng_key=_RNG, rng_row=rank)
     with warnings.catch_warnings():  # a single-process load is exactly what we ask for
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
         dcp.load({}, checkpoint_id=path, planner=planner, no_dist=True)
@@ -349,6 +291,10 @@ def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: i
     Returns when the checkpoint is complete and in place on every rank; raises
     :class:`CheckpointError` on every rank if any rank failed, leaving no ``step-*`` directory.
     """
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from .dcp_planners import PieceSavePlanner
+
     t0 = time.perf_counter()
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r}: must be an integer >= 1 (the checkpoints to retain)")
@@ -382,7 +328,7 @@ def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: i
                               "by rank: " + ", ".join(f"{r}: {v}" for r, v in enumerate(seen)))
 
     chunks, sizes = _state_chunks(state, model, rank, size)
-    planner = _PieceSavePlanner(chunks, sizes)
+    planner = PieceSavePlanner(chunks, sizes)
     writer = FileSystemWriter(tmp)
 
     def local_plan():

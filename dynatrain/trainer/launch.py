@@ -1,7 +1,7 @@
 """Running a training job: worker processes on this machine, or one rank under torchrun.
 
-:func:`run_local` starts one process per rank (``torch.multiprocessing`` spawn, a TCP rendezvous
-on a free loopback port), gloo on CPU or NCCL when this machine has a GPU per rank, and streams
+:func:`run_local` starts one process per rank (:mod:`.processes`: forked from a server that has
+torch imported; a TCP rendezvous on a free loopback port), gloo on CPU or NCCL when this machine has a GPU per rank, and streams
 rank 0's per-step results back through a queue so the caller can show live progress. Every
 wait has a timeout. :func:`main` is the torchrun entry point
 (``torchrun --nproc-per-node N -m dynatrain.trainer.launch --model M --layout L``).
@@ -22,10 +22,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dynatrain.vps.layout import bind
 
+from . import processes
 from .config import TrainConfig, make_config
 from .groups import build_groups
 from .state import FullState, assemble_full, local_from_full
@@ -115,12 +115,11 @@ def run_local(config: TrainConfig, steps: int, *, backend: str = "auto", progres
     """
     world = config.layout.world
     backend = pick_backend(backend, world)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = mp.start_processes(
+    results = processes.context().Queue()
+    procs = processes.start_ranks(
         _worker, args=(world, config, steps, free_port(), backend, results, want_state,
                        timeout_s, start),
-        nprocs=world, join=False, start_method="spawn")
+        nprocs=world)
     losses, seconds, states = [], [], []
     deadline = time.monotonic() + timeout_s
     expected = steps + (world if want_state else 0)

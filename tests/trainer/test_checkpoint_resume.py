@@ -18,8 +18,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dynatrain.trainer import processes
 from dynatrain.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_state,
                                           save_checkpoint, save_state)
 from dynatrain.trainer.config import make_config
@@ -96,10 +96,8 @@ def _resume_worker(rank, world, port, cfg, path, results):
 def _spawn(fn, world, *args):
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=TIMEOUT)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = mp.start_processes(fn, args=(world, store.port, *args, results), nprocs=world,
-                               join=False, start_method="spawn")
+    results = processes.context().Queue()
+    procs = processes.start_ranks(fn, args=(world, store.port, *args, results), nprocs=world)
     out, deadline = [], time.monotonic() + 120
     while len(out) < world:
         try:

@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from dynatrain.trainer import processes
 from dynatrain.trainer.config import make_config
 from dynatrain.trainer.redundancy import (Redundancy, buddy_map, recovery_needs, restore_step,
                                           source_map, unique_shards)
@@ -239,14 +240,12 @@ def runs(tmp_path_factory):
     import queue
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     outdir = tmp_path_factory.mktemp("redundancy")
     store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    results = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_worker, args=(store.port, str(outdir), results),
-                               nprocs=WORLD, join=False, start_method="spawn")
+    results = processes.context().Queue()
+    procs = processes.start_ranks(_worker, args=(store.port, str(outdir), results), nprocs=WORLD)
     out: dict = {i: {} for i in range(len(CASES))}
     pending = len(CASES) * WORLD
     deadline = time.monotonic() + 75

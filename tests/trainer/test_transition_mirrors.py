@@ -18,8 +18,8 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dynatrain.trainer import processes
 from dynatrain.vps.layout import bind, parse_layout
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.planner import PlanError, plan_switch
@@ -167,9 +167,8 @@ def test_survivors_rebuild_the_new_layout_bit_exact_from_mirrors():
     start = time.monotonic()
     store = dist.TCPStore("127.0.0.1", 0, DEVICES + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    results = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(_worker, args=(store.port, results), nprocs=DEVICES, join=False,
-                               start_method="spawn")
+    results = processes.context().Queue()
+    procs = processes.start_ranks(_worker, args=(store.port, results), nprocs=DEVICES)
     reports, deadline = [], time.monotonic() + 120
     try:
         while len(reports) < DEVICES * len(CASES):
