@@ -4,7 +4,7 @@ etcd, kube-apiserver, kube-scheduler, kubectl and kwok are compiled from the wra
 ``tools/k8s``, whose ``go.mod`` is the one place their versions are pinned, by the project's one
 Go builder (:mod:`.gobuild`: content-keyed cache, lock, toolchain, progress). The result is
 kept under ``~/.cache/dynatrain/k8s/<pins hash>/bin/`` (``DYNATRAIN_K8S_CACHE`` overrides the
-root); a cold build takes ~12 minutes on 2 cores, a later one finds it there.
+root); a cold build takes 4-12 minutes on 2 cores, a later one finds it there.
 """
 
 from __future__ import annotations

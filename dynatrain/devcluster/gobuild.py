@@ -78,7 +78,7 @@ class GoModule:
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra build environment (``CGO_ENABLED=0`` for a static binary); part of the hash."""
     timeout: datetime.timedelta = datetime.timedelta(minutes=90)
-    """The build is killed past this (a cold control-plane build takes ~12 min on 2 cores)."""
+    """The build is killed past this (a cold control-plane build takes 4-12 min on 2 cores)."""
     go: str = "go"
     """The Go command."""
 
