@@ -30,10 +30,11 @@ def run(args: argparse.Namespace) -> int:
     from dynatrain.operator import chart
 
     if args.chart_command == "build-helm":
-        from dynatrain.devcluster.helm import HelmError, ensure_helm
+        from dynatrain.devcluster.gobuild import GoBuildError
+        from dynatrain.devcluster.helm import ensure_helm
         try:
             print(ensure_helm())
-        except HelmError as exc:
+        except GoBuildError as exc:
             print(f"dynatrain chart build-helm: error: {exc}", file=sys.stderr)
             return 1
     elif args.chart_command == "sync-crd":

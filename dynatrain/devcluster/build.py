@@ -13,9 +13,8 @@ import datetime
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 
-from .gobuild import Built, GoModule, cache_root
+from .gobuild import TOOLS, Built, GoModule, cache_root
 from .gobuild import ensure_built as _ensure_built
 
 # The Go package of each binary (as listed in go.mod's `tool` block) and the name it is
@@ -28,17 +27,12 @@ BINARIES: dict[str, str] = {
     "kwok": "sigs.k8s.io/kwok/cmd/kwok",
 }
 
-Binaries = Built
-"""Where the built control plane is (``.path("kube-apiserver")``)."""
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 def default_toolchain() -> GoModule:
     """This checkout's ``tools/k8s``, cached under ``$XDG_CACHE_HOME/dynatrain/k8s``."""
     return GoModule(
         label="devcluster",
-        module_dir=REPO / "tools" / "k8s",
+        module_dir=TOOLS / "k8s",
         cache_root=cache_root("k8s", "DYNATRAIN_K8S_CACHE"),
         binaries=BINARIES,
         output_names={"etcd": "server"},

@@ -31,7 +31,8 @@ from typing import Callable
 from kubernetes import client
 from kubernetes import config as k8s_config
 
-from .build import Binaries, ensure_built
+from .build import ensure_built
+from .gobuild import Built
 from .certs import ClientIdentity, Pki, write_pki
 from .errors import DevClusterError
 from .kubeconfig import build_kubeconfig, write_kubeconfig
@@ -94,7 +95,7 @@ class DevCluster:
     """A running dev cluster; use as a context manager or call start()/stop()."""
 
     def __init__(self, config: ClusterConfig | None = None, *,
-                 binaries: Binaries | None = None,
+                 binaries: Built | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         self.config = config or ClusterConfig()
         self._binaries = binaries
@@ -213,7 +214,7 @@ class DevCluster:
         self._components.append(component)
         return component
 
-    def _start_etcd(self, binaries: Binaries, work: Path, logs: Path) -> str:
+    def _start_etcd(self, binaries: Built, work: Path, logs: Path) -> str:
         client_port, peer_port = free_port(), free_port()
         client_url = f"http://127.0.0.1:{client_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
@@ -240,7 +241,7 @@ class DevCluster:
                    timeout=self.config.start_timeout, component=etcd)
         return client_url
 
-    def _start_apiserver(self, binaries: Binaries, work: Path, logs: Path, pki: Pki,
+    def _start_apiserver(self, binaries: Built, work: Path, logs: Path, pki: Pki,
                          etcd_url: str) -> None:
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
@@ -291,7 +292,7 @@ class DevCluster:
             build_kubeconfig(server=self.server, ca=pki.ca.cert,
                              client=pki.clients[ident.name], user=ident.user))
 
-    def _start_scheduler(self, binaries: Binaries, work: Path, logs: Path, pki: Pki) -> None:
+    def _start_scheduler(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
         kubeconfig = self._write_component_kubeconfig(pki, _SCHEDULER)
         port = free_port()
         scheduler = self._start_component("kube-scheduler", [
@@ -324,7 +325,7 @@ class DevCluster:
         wait_until(f"kube-scheduler at https://127.0.0.1:{port}/healthz", healthy,
                    timeout=self.config.start_timeout, component=scheduler)
 
-    def _start_kwok(self, binaries: Binaries, work: Path, logs: Path, pki: Pki) -> None:
+    def _start_kwok(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
         kubeconfig = self._write_component_kubeconfig(pki, _KWOK)
         port = free_port()
         key, value = KWOK_ANNOTATION

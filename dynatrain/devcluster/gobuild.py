@@ -39,6 +39,9 @@ from .errors import DevClusterError
 
 _PROGRESS_EVERY_S = 15.0
 
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+"""The source checkout's wrapper Go modules (``tools/k8s``, ``tools/helm``)."""
+
 
 class GoBuildError(DevClusterError):
     """A Go build failed or could not start; the message names the command and its log."""

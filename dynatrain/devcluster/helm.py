@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from .gobuild import GoBuildError, GoModule, GoUnavailable, cache_root, ensure_built
+from .gobuild import TOOLS, GoBuildError, GoModule, cache_root, ensure_built
 
 HELM_MODULE = "helm.sh/helm/v4"
 """The Go module that provides the binary (its ``cmd/helm`` is the ``tool`` in go.mod)."""
@@ -25,24 +25,19 @@ HELM_MODULE = "helm.sh/helm/v4"
 # Makefile does), so `helm version` names it.
 _VERSION_VAR = f"{HELM_MODULE}/internal/version.version"
 
-REPO = Path(__file__).resolve().parents[2]
-
-HelmError = GoBuildError
-HelmUnavailable = GoUnavailable
-
 
 def pinned_version(module_dir: Path | None = None) -> str:
     """The Helm version required in tools/helm/go.mod, e.g. ``v4.3.1``."""
-    go_mod = (module_dir or REPO / "tools" / "helm") / "go.mod"
+    go_mod = (module_dir or TOOLS / "helm") / "go.mod"
     m = re.search(rf"^\s*{re.escape(HELM_MODULE)}\s+(v\S+)", go_mod.read_text(), re.MULTILINE)
     if not m:
-        raise HelmError(f"{go_mod} requires no {HELM_MODULE}")
+        raise GoBuildError(f"{go_mod} requires no {HELM_MODULE}")
     return m.group(1)
 
 
 def default_toolchain() -> GoModule:
     """This checkout's ``tools/helm``, cached under ``$XDG_CACHE_HOME/dynatrain/helm``."""
-    module_dir = REPO / "tools" / "helm"
+    module_dir = TOOLS / "helm"
     return GoModule(
         label="helm",
         module_dir=module_dir,
@@ -60,6 +55,7 @@ def ensure_helm(toolchain: GoModule | None = None, *,
                 log: Callable[[str], None] | None = None) -> Path:
     """Path of the ``helm`` binary for the current pin, built first if it is not cached.
 
-    Raises :class:`HelmUnavailable` without Go, :class:`HelmError` if the build fails.
+    Raises :class:`~.gobuild.GoUnavailable` without Go, :class:`~.gobuild.GoBuildError` if
+    the build fails.
     """
     return ensure_built(toolchain or default_toolchain(), log=log).path("helm")

@@ -19,6 +19,7 @@ import yaml
 from kubernetes import client
 
 from dynatrain.devcluster import helm as dhelm
+from dynatrain.devcluster.gobuild import GoUnavailable
 from dynatrain.operator import chart
 from dynatrain.devcluster.build import ensure_built
 
@@ -61,7 +62,7 @@ def helm(tmp_path_factory):
     """Run the helm built from tools/helm; helm's own config and caches stay in a tmp dir."""
     try:
         binary = dhelm.ensure_helm()
-    except dhelm.HelmUnavailable as exc:
+    except GoUnavailable as exc:
         _unavailable(str(exc))
     home = tmp_path_factory.mktemp("helm-home")
     env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"),
