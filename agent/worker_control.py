@@ -93,8 +93,9 @@ class WorkerControl:
                            if x.strip()}
         """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""
         self._graveyard: list = []
-        """Groups of abandoned generations: never used again, never destroyed (tearing down
-        a gloo group with a wait still stuck in it can block)."""
+        """Groups of abandoned generations, and their mirror exchanges still in flight (with
+        the buffers gloo may still touch): never used again, never destroyed or waited on
+        (tearing down a gloo group with a wait still stuck in it can block)."""
 
     # -- the Control interface (agent threads) ----------------------------------------------
     def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],

@@ -216,7 +216,13 @@ class Worker(WorkerControl):
             self.metrics.set_generation(p.generation)
             self.wake.notify_all()
         if old_redundancy is not None:
-            old_redundancy.close()
+            if p.recovery is not None or p.checkpoint:
+                # The abandoned generation's mirror exchange may wait on a dead or stuck
+                # peer: closing it would hold this reply (and the new generation's first
+                # step, on every peer) for the old group's timeout.
+                self._graveyard.append(old_redundancy.drop())
+            else:
+                old_redundancy.close()
         if trainer is not None and (p.recovery is not None or p.checkpoint):
             _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)

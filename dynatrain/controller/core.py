@@ -396,8 +396,9 @@ class JobController:
         record.phases["lost_steps"] = max(0, lost_from - record.step)
         record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
         self._rewind(record.step)
-        if choice is not None:
-            self._account_lost_reports(old, failed, record.step)
+        # The restored step (snapshot or checkpoint) includes the failed devices' reads up
+        # to it, whether or not their last reports reached the controller.
+        self._account_lost_reports(old, failed, record.step)
         self._after_switch(old, new, record)
         self.failed.clear()
         self.interrupted_since = None

@@ -369,11 +369,12 @@ class Redundancy:
         return sum(s.buf.numel() for s in self._slots + self._mirror_slots)
 
     def close(self) -> None:
-        """Finish the exchange in flight, then drop every buffer.
+        """Finish the exchange in flight, then drop every buffer: the end of a generation
+        that switched as planned (its buddy and source are alive and finish their part).
 
-        An exchange that failed is not an error here: a generation is closed after a switch,
-        and after a recovery its buddy may be the device that died, with a mirror in flight
-        (the worker used to die of that, right after recovering)."""
+        An exchange that failed is not an error here. A generation that was abandoned (a
+        recovery, a restart from a checkpoint) is ended with :meth:`drop` instead: its buddy
+        may be dead, or alive but stuck, and waiting would last the group's timeout."""
         try:
             self.wait_mirror()                     # gloo may still be writing into a slot
         except Exception:  # noqa: BLE001 - gloo is done with a failed op (and its Work
@@ -381,3 +382,21 @@ class Redundancy:
         finally:
             self._slots, self._mirror_slots = [], []
             self._send, self._recv_slot = None, None
+
+    def drop(self) -> list[tuple[object, torch.Tensor]]:
+        """Drop every buffer now, without waiting for the exchange in flight.
+
+        Returns the works still in flight, each with the buffer it reads or writes: the
+        caller keeps them referenced and never waits on them (gloo may touch those buffers
+        until the works end, when the peer's socket closes or the group times out). Only the
+        slots in flight are kept that way; every other buffer is freed at once."""
+        in_flight = []
+        if self._send is not None:
+            work, slot = self._send
+            in_flight.append((work, slot.buf))
+        slot = self._recv_slot
+        if slot is not None and slot.work is not None:
+            in_flight.append((slot.work, slot.buf))
+        self._slots, self._mirror_slots = [], []
+        self._send, self._recv_slot = None, None
+        return in_flight

@@ -150,6 +150,8 @@ def test_recovery_needs_names_the_buddy_or_none():
 # Every case runs in the same two worker processes, one after the other (each with its own
 # groups): starting processes and importing torch costs more than the training itself.
 CASES = [("dp=2,zero=1", 1), ("pp=2", 1)]
+STUCK = len(CASES)
+"""The index of the last phase of the same processes: a peer that stops taking part."""
 WORLD = 2
 STEPS = 3
 
@@ -205,6 +207,32 @@ def _run_case(rank, mgr, generation, layout, per_node, outdir):
     return checks
 
 
+def _run_stuck_peer(rank, mgr, generation, store):
+    """Rank 1 is alive but never takes part (a stuck peer); rank 0 snapshots, so its mirror
+    send to rank 1 and its receive from rank 1 stay in flight, and then ends the generation
+    as an agent does after a recovery (``drop``). Rank 1 is released once rank 0 reported."""
+    from dynatrain.trainer.trainer import LocalState
+    from dynatrain.trainer.weights import TORCH_DTYPES
+
+    cfg = make_config("gpt-tiny", "pp=2", **KW)
+    bound = bind(cfg.layout.with_devices(range(WORLD)), cfg.model)
+    group = mgr.build_group(generation, "redundancy", list(range(WORLD)))
+    if rank == 1:
+        store.wait(["stuck-peer-reported"], timedelta(seconds=60))
+        return {}
+    red = Redundancy(bound, rank, group, ranks_per_node=1)
+    tensors = {(rs.tensor.name, rs.state): (
+        torch.zeros(rs.local_shape, dtype=TORCH_DTYPES[rs.tensor.dtype]
+                    if rs.state == "param" else torch.float32), rs.pieces)
+        for rs in rank_shards(bound, rank)}
+    red.snapshot(LocalState(tensors, step=1, data_position=0))
+    in_flight = red.drop()
+    return {"in_flight": len(in_flight),
+            "completed": [bool(work.is_completed()) for work, _ in in_flight],
+            "buffers_kept": all(buf.numel() > 0 for _, buf in in_flight),
+            "memory_after_drop": red.memory_bytes()}
+
+
 def _worker(rank, port, outdir, results):
     import faulthandler
     import os
@@ -229,6 +257,14 @@ def _worker(rank, port, outdir, results):
             message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             results.put(("error", i, rank, message))
             break
+    else:
+        try:
+            results.put(("ok", STUCK, rank, _run_stuck_peer(rank, mgr, STUCK, store)))
+        except BaseException as e:  # noqa: BLE001 - reported by name
+            results.put(("error", STUCK, rank, f"{type(e).__name__}: {e}\n"
+                                               f"{traceback.format_exc()}"))
+        if rank == 0:
+            store.set("stuck-peer-reported", "1")
     results.close()
     results.join_thread()                      # flush the reports before the abrupt exit
     os._exit(0)                                # no teardown of gloo groups: it only costs time
@@ -246,8 +282,8 @@ def runs(tmp_path_factory):
                           timeout=timedelta(seconds=60))
     results = processes.context().Queue()
     procs = processes.start_ranks(_worker, args=(store.port, str(outdir), results), nprocs=WORLD)
-    out: dict = {i: {} for i in range(len(CASES))}
-    pending = len(CASES) * WORLD
+    out: dict = {i: {} for i in range(len(CASES) + 1)}
+    pending = (len(CASES) + 1) * WORLD
     deadline = time.monotonic() + 75
     while pending and time.monotonic() < deadline:
         try:
@@ -268,7 +304,8 @@ def runs(tmp_path_factory):
     codes = [p.exitcode for p in procs.processes]
     for i, got in out.items():
         if isinstance(got, dict) and len(got) < WORLD:
-            out[i] = (f"case {CASES[i][0]}: reports from ranks {sorted(got)} only (worker exit "
+            name = CASES[i][0] if i < len(CASES) else "stuck peer"
+            out[i] = (f"case {name}: reports from ranks {sorted(got)} only (worker exit "
                       f"codes {codes}); a hung worker's stacks are in the captured stderr")
     return outdir, out
 
@@ -322,6 +359,19 @@ def test_snapshots_and_mirrors_are_bit_exact_in_a_real_run(runs, case):
         for (name, state, _), ranks in holders.items():
             for r in ranks[1:]:
                 assert torch.equal(own[(r, s)][(name, state)], own[(ranks[0], s)][(name, state)])
+
+
+def test_an_abandoned_generation_is_dropped_without_waiting_on_a_stuck_peer(runs):
+    # After a recovery the agent drops the old generation's redundancy. Its buddy may be
+    # alive but stuck, with the mirror exchange in flight: waiting (close) would last the
+    # group's timeout and stall the new generation's first step on every peer.
+    _, out = runs
+    reports = out[STUCK]
+    assert isinstance(reports, dict) and len(reports) == WORLD, reports
+    r = reports[0]
+    assert r["in_flight"] == 2                      # the send to rank 1 and the receive
+    assert r["completed"] == [False, False] or r["completed"] == [True, False], r
+    assert r["buffers_kept"] and r["memory_after_drop"] == 0
 
 
 def test_memory_is_two_snapshots_without_mirrors():
