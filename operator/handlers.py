@@ -3,9 +3,9 @@
 kopf gives us the watch of DynaTrainJob objects, a daemon thread per job (started on create
 and on operator start for jobs that exist: that is how a restarted operator takes over),
 peering (only one operator of a peering group acts at a time: HA by standby replicas), and
-the liveness endpoint. Everything the job does happens in the daemon's tick loop; deleting a
-job stops its daemon and deletes its pods (owner references would too, where a garbage
-collector runs).
+the liveness endpoint. Everything the job does happens in the daemon's tick loop. Deleting a
+job stops its daemon; its pods, Service, ConfigMap and Secret carry owner references to it, so
+the cluster's garbage collector removes them (the operator deletes nothing itself).
 """
 
 from __future__ import annotations
@@ -95,18 +95,6 @@ def run_job(body, name, namespace, stopped, logger, **_) -> None:
             stopped.wait(TICK_S)
     finally:
         runtime.close()
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL)
-def delete_job(name, namespace, logger, **_) -> None:
-    core = client.CoreV1Api(_api())
-    for pod in core.list_namespaced_pod(namespace, label_selector=f"{k.JOB_LABEL}={name}").items:
-        try:
-            core.delete_namespaced_pod(pod.metadata.name, namespace)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-    logger.info(f"job {namespace}/{name} deleted; its worker pods are gone")
 
 
 def _patch_failed(namespace: str, name: str, message: str) -> None:

@@ -20,18 +20,22 @@ from dynatrain.devcluster.nodes import NodePool, Taint
 
 _DESCRIPTION = """\
 Run a real Kubernetes control plane on 127.0.0.1 in the foreground: etcd,
-kube-apiserver, kube-scheduler (all built from the Kubernetes Go modules pinned
-in tools/k8s/go.mod, cached under ~/.cache/dynatrain/k8s) and kwok, which
-simulates GPU nodes: pods requesting nvidia.com/gpu are scheduled onto them by
-the real scheduler and reported Running. There is no container runtime and no
-kube-controller-manager. Stop with Ctrl-C (or SIGTERM): every process is
-stopped and the state directory removed.
+kube-apiserver, kube-controller-manager, kube-scheduler (all built from the
+Kubernetes Go modules pinned in tools/k8s/go.mod, cached under
+~/.cache/dynatrain/k8s) and kwok, which simulates GPU nodes: pods requesting
+nvidia.com/gpu are scheduled onto them by the real scheduler and reported
+Running. The controller-manager garbage-collects a deleted job's objects and
+evicts the pods of a node whose heartbeat stops. With --run-pods, every Running
+pod's container command also runs, as a local process on its loopback pod IP
+(no images are pulled; `dynatrain` means this checkout). Stop with Ctrl-C (or
+SIGTERM): every process is stopped and the state directory removed.
 """
 
 _EPILOG = """\
 examples:
   dynatrain dev cluster --nodes 4 --gpus-per-node 8 --kubeconfig /tmp/dev.kubeconfig
   KUBECONFIG=/tmp/dev.kubeconfig kubectl get nodes
+  dynatrain dev cluster --run-pods --nodes 2 --kubeconfig /tmp/dev.kubeconfig
   dynatrain dev cluster --build-only      # build/cache the binaries (CI warm-up)
 """
 
@@ -74,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", type=Path, default=None,
                    help="keep state and logs here "
                         "(default: a temporary directory, removed on exit)")
+    p.add_argument("--run-pods", action="store_true",
+                   help="run every Running pod's container command as a local process "
+                        "(ConfigMap, Secret and claim volumes as directories; logs under "
+                        "the work dir's pods/)")
     p.add_argument("--build-only", action="store_true",
                    help="only build and cache the binaries, then exit")
     p.set_defaults(func=run)
@@ -106,6 +114,8 @@ def _run(args: argparse.Namespace) -> int:
                         taints=tuple(args.taint)),),
         kubeconfig=args.kubeconfig.resolve(),
         workdir=args.workdir.resolve() if args.workdir else None,
+        # Pods that run bind their pod IP: it must be an address of this machine.
+        **({"pod_cidr": "127.20.0.0/16"} if args.run_pods else {}),
     )
     stop = threading.Event()
     # SIGTERM (systemd, CI, `kill`) must stop the cluster as Ctrl-C does;
@@ -114,8 +124,14 @@ def _run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, _raise_keyboard_interrupt)
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = DevCluster(config, binaries=binaries)
+    runner = None
     try:
         cluster.start()
+        if args.run_pods:
+            from dynatrain.devcluster.pods import PodRunner
+
+            runner = PodRunner(cluster.core(), cluster.workdir / "pods")
+            runner.start()
         kubectl = binaries.path("kubectl")
         print(
             f"\ndev cluster ready: {len(cluster.nodes)} nodes x {args.gpus_per_node} "
@@ -124,6 +140,8 @@ def _run(args: argparse.Namespace) -> int:
             f"  {kubectl} get nodes\n"
             f"  kubectl apply -f crds/dynatrainjob.yaml\n"
             f"logs: {cluster.workdir / 'logs'}\n"
+            + (f"pods run here; their logs: {cluster.workdir / 'pods'}/NAMESPACE/POD/"
+               "container.log\n" if runner else "pods are not run (see --run-pods)\n") +
             "Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     except KeyboardInterrupt:
@@ -131,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if runner is not None:
+            runner.stop()
         cluster.stop()
         if args.kubeconfig.exists():
             # The kubeconfig points at a server that no longer exists.

@@ -2,15 +2,24 @@
 
 :class:`DevCluster` starts, in order and each only once the previous one is
 ready: etcd, kube-apiserver (TLS with a throw-away PKI, Node+RBAC
-authorization), kube-scheduler and kwok, then creates the simulated nodes
-and waits until kwok reports them Ready. Everything listens on 127.0.0.1 at
-ports chosen free, keeps its state and logs in one work directory, and runs
-in its own process group, so :meth:`DevCluster.stop` leaves nothing behind.
+authorization, the default admission plugins), kube-controller-manager,
+kube-scheduler and kwok, then creates the simulated nodes and waits until they
+are Ready and schedulable. Everything listens on 127.0.0.1 at ports chosen
+free, keeps its state and logs in one work directory, and runs in its own
+process group, so :meth:`DevCluster.stop` leaves nothing behind.
 
-There is no kube-controller-manager: no controller creates service-account
-tokens, garbage-collects orphans, finishes namespace deletion or evicts pods
-from deleted nodes. Tests that need one of those behaviours must do it
-themselves; see the README.
+kube-controller-manager runs the controllers a job's life depends on (see
+:data:`CONTROLLERS`): garbage collection of a deleted job's pods, Service,
+ConfigMap and Secret through their owner references; node lifecycle (a node
+whose heartbeat stops turns NotReady and is tainted, and the taint-eviction
+controller evicts its pods with the ``DisruptionTarget`` condition); namespace
+deletion; the ``default`` ServiceAccount and its tokens; the pod garbage
+collector; and the PersistentVolume binder. Its timings are shortened
+(:class:`NodeTimings`) so that a test sees a lost node within seconds.
+
+kwok plays every node's kubelet: it keeps the nodes' leases (the heartbeat) and
+status and moves scheduled pods to Running. It runs no containers; the
+:mod:`.pods` runner does that part, as local processes.
 """
 
 from __future__ import annotations
@@ -37,12 +46,17 @@ from .certs import ClientIdentity, Pki, write_pki
 from .errors import DevClusterError
 from .kubeconfig import build_kubeconfig, write_kubeconfig
 from .nodes import KWOK_ANNOTATION, NodePool, add_nodes, node_is_ready
+from .pods import storage_class_manifest
 from .processes import Component, free_port, wait_until
 
 STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
 
 _ADMIN = ClientIdentity(name="admin", user="dynatrain-admin", groups=("system:masters",))
 _SCHEDULER = ClientIdentity(name="kube-scheduler", user="system:kube-scheduler")
+# RBAC's bootstrap policy knows this user; with --use-service-account-credentials each
+# controller then acts as its own ServiceAccount (system:controller:*), as on kubeadm clusters.
+_CONTROLLER_MANAGER = ClientIdentity(name="kube-controller-manager",
+                                     user="system:kube-controller-manager")
 # kwok writes node and pod status, leases and events for every simulated
 # node; no built-in role covers that, and in a throw-away cluster a
 # dedicated ClusterRole would only be a copy of the list to keep up to date.
@@ -51,6 +65,48 @@ _KWOK = ClientIdentity(name="kwok", user="kwok-controller", groups=("system:mast
 
 def _seconds(name: str, default: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get(name, default)))
+
+
+CONTROLLERS = (
+    "garbage-collector-controller",        # a deleted job's pods, Service, ConfigMap, Secret
+    "node-lifecycle-controller",           # NotReady/unreachable taints on silent nodes
+    "taint-eviction-controller",           # evicts pods from NoExecute-tainted nodes
+    "pod-garbage-collector-controller",    # pods of deleted nodes, terminated pods
+    "namespace-controller",                # finishes namespace deletion
+    "serviceaccount-controller",           # the `default` ServiceAccount of each namespace
+    "serviceaccount-token-controller",     # legacy token Secrets; the controllers' own tokens
+    "persistentvolume-binder-controller",  # binds claims to the volumes the pod runner makes
+)
+"""The kube-controller-manager controllers the dev cluster runs. Workload controllers
+(Deployment, ReplicaSet, Job...) are left out: nothing the tests or the operator's jobs create
+needs them, and each one costs CPU on a 2-core machine."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeTimings:
+    """How fast a lost node is noticed. Real clusters use a 40 s lease, a 40-50 s grace period
+    and a 300 s default toleration; these are shortened so a test sees the whole chain (lease
+    expires, NotReady, taint, eviction) in about :attr:`monitor_grace_s` +
+    :attr:`toleration_s` seconds, and kept long enough that a busy 2-core machine does not
+    make healthy nodes flap."""
+
+    lease_s: int = 8
+    """kwok's node lease duration (it renews well within it): the heartbeat."""
+    monitor_period_s: int = 1
+    """How often the node lifecycle controller looks at the heartbeats."""
+    monitor_grace_s: int = 12
+    """A node silent for this long is NotReady (Unknown) and tainted unreachable."""
+    toleration_s: int = 2
+    """The default not-ready / unreachable toleration given to pods that set none (the
+    DefaultTolerationSeconds admission plugin): how long they stay on a silent node."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_s < self.monitor_grace_s:
+            raise ValueError(f"NodeTimings: lease_s={self.lease_s} must be positive and below "
+                             f"monitor_grace_s={self.monitor_grace_s}, or every node flaps")
+        if self.monitor_period_s <= 0 or self.toleration_s < 0:
+            raise ValueError(f"NodeTimings: monitor_period_s={self.monitor_period_s} must be "
+                             f"positive and toleration_s={self.toleration_s} not negative")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +125,10 @@ class ClusterConfig:
     """ClusterIP range; its first address is the ``kubernetes`` Service."""
     pod_cidr: str = "10.244.0.0/16"
     """Range kwok assigns pod IPs from."""
+    node_timings: NodeTimings = field(default_factory=NodeTimings)
+    """How fast a node whose heartbeat stops is noticed and its pods evicted."""
+    controllers: tuple[str, ...] = CONTROLLERS
+    """kube-controller-manager's ``--controllers``."""
     start_timeout: datetime.timedelta = field(
         default_factory=lambda: _seconds("DYNATRAIN_DEVCLUSTER_START_TIMEOUT_S", 120))
     """Limit for each component to become ready and for the nodes to be Ready."""
@@ -140,7 +200,7 @@ class DevCluster:
         logs = work / "logs"
         self._log(f"[devcluster] work dir {work}, logs in {logs}")
 
-        pki = write_pki(work / "pki", clients=(_ADMIN, _SCHEDULER, _KWOK),
+        pki = write_pki(work / "pki", clients=(_ADMIN, _SCHEDULER, _CONTROLLER_MANAGER, _KWOK),
                         service_ip=_first_ip(cfg.service_cidr))
 
         etcd_url = self._start_etcd(binaries, work, logs)
@@ -148,8 +208,11 @@ class DevCluster:
         admin = build_kubeconfig(server=self.server, ca=pki.ca.cert,
                                  client=pki.clients["admin"], user=_ADMIN.user)
         self._admin_kubeconfig = write_kubeconfig(work / "admin.kubeconfig", admin)
+        self._start_controller_manager(binaries, work, logs, pki)
         self._start_scheduler(binaries, work, logs, pki)
         self._start_kwok(binaries, work, logs, pki)
+        # The default StorageClass: claims of it are provisioned by the pod runner (.pods).
+        client.StorageV1Api(self.api_client()).create_storage_class(storage_class_manifest())
         for pool in cfg.pools:
             self.add_pool(pool)
         # Written last: whoever waits for this file (a script, a person) may
@@ -199,10 +262,16 @@ class DevCluster:
         kwok = next(c for c in self._components if c.name == "kwok")
 
         def all_ready() -> bool:
-            ready = {n.metadata.name for n in core.list_node().items if node_is_ready(n)}
+            # Ready, and the node lifecycle controller has lifted the not-ready taint that
+            # admission puts on every new node (TaintNodesByCondition): pods can land there.
+            ready = {n.metadata.name for n in core.list_node().items
+                     if node_is_ready(n) and not any(
+                         t.key.startswith("node.kubernetes.io/")
+                         for t in (n.spec.taints or []))}
             return set(names) <= ready
 
-        wait_until(f"nodes {names} to become Ready (kwok marks them)", all_ready,
+        wait_until(f"nodes {names} to become Ready and schedulable (kwok marks them, "
+                   "the node lifecycle controller lifts their not-ready taint)", all_ready,
                    timeout=self.config.start_timeout, component=kwok)
         self.nodes.extend(names)
         return names
@@ -260,13 +329,12 @@ class DevCluster:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={self.config.service_cidr}",
             "--authorization-mode=Node,RBAC",
-            # Two admission plugins wait for kube-controller-manager, which
-            # this cluster does not run: ServiceAccount rejects pods until the
-            # namespace's "default" ServiceAccount exists (the SA controller
-            # creates it; simulated pods need no token), and
-            # TaintNodesByCondition puts node.kubernetes.io/not-ready:NoSchedule
-            # on every new node for the node-lifecycle controller to lift.
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            # Every default admission plugin is on (ServiceAccount, TaintNodesByCondition,
+            # DefaultTolerationSeconds...): kube-controller-manager does what they wait for.
+            "--default-not-ready-toleration-seconds="
+            f"{self.config.node_timings.toleration_s}",
+            "--default-unreachable-toleration-seconds="
+            f"{self.config.node_timings.toleration_s}",
             # The `kubernetes` Service's endpoints may not be a loopback
             # address, so the apiserver must not try to publish itself.
             "--endpoint-reconciler-type=none",
@@ -291,6 +359,42 @@ class DevCluster:
             self.workdir / f"{ident.name}.kubeconfig",
             build_kubeconfig(server=self.server, ca=pki.ca.cert,
                              client=pki.clients[ident.name], user=ident.user))
+
+    def _start_controller_manager(self, binaries: Built, work: Path, logs: Path,
+                                  pki: Pki) -> None:
+        kubeconfig = self._write_component_kubeconfig(pki, _CONTROLLER_MANAGER)
+        port = free_port()
+        t = self.config.node_timings
+        kcm = self._start_component("kube-controller-manager", [
+            str(binaries.path("kube-controller-manager")),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--authentication-skip-lookup=true",   # as for the scheduler, below
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={work / 'controller-manager-certs'}",
+            "--leader-elect=false",
+            f"--controllers={','.join(self.config.controllers)}",
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={pki.service_account_key}",
+            f"--root-ca-file={pki.ca.cert}",
+            f"--node-monitor-period={t.monitor_period_s}s",
+            f"--node-monitor-grace-period={t.monitor_grace_s}s",
+            # kwok assigns pod IPs itself (--cidr); no cloud provider, no node IPAM.
+            "--allocate-node-cidrs=false",
+            "--profiling=false",
+            "--v=1",
+        ], logs)
+        ctx = ssl._create_unverified_context()  # noqa: S323 - loopback health probe only
+
+        def healthy() -> bool:
+            url = f"https://127.0.0.1:{port}/healthz"
+            with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
+                return resp.status == 200
+
+        wait_until(f"kube-controller-manager at https://127.0.0.1:{port}/healthz", healthy,
+                   timeout=self.config.start_timeout, component=kcm)
 
     def _start_scheduler(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
         kubeconfig = self._write_component_kubeconfig(pki, _SCHEDULER)
@@ -336,6 +440,8 @@ class DevCluster:
             f"--manage-nodes-with-annotation-selector={key}={value}",
             f"--cidr={self.config.pod_cidr}",
             "--node-ip=10.255.0.1",
+            # The heartbeat the node lifecycle controller watches (kube-node-lease).
+            f"--node-lease-duration-seconds={self.config.node_timings.lease_s}",
             f"--server-address=127.0.0.1:{port}",
         ], logs)
 

@@ -182,11 +182,67 @@ def _taints_json(core: client.CoreV1Api, taints: list) -> list[dict]:
 def delete_node(core: client.CoreV1Api, name: str) -> None:
     """Delete node ``name``, as a cloud does when it reclaims the machine.
 
-    Pods bound to it stay until something deletes them: in a real cluster the
-    pod garbage collector of kube-controller-manager, which this dev cluster
-    does not run. The operator must not rely on them disappearing by themselves.
+    Its pods are left to the pod garbage collector of kube-controller-manager,
+    which deletes pods bound to a node that no longer exists once the node has
+    been gone for its quarantine time (40 s, fixed in Kubernetes). The pod
+    runner (:mod:`.pods`) stops their processes at once: the machine is gone.
     """
     core.delete_node(name=name)
+
+
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+STOPPED_HOLDER = "dynatrain-devcluster/heartbeat-stopped"
+"""The holder a stopped node's lease is given: kwok renews only leases it holds."""
+_FOREVER_S = 10 * 365 * 24 * 3600
+
+
+def stop_heartbeat(coordination: client.CoordinationV1Api, name: str) -> None:
+    """Make node ``name`` fall silent, as a machine that crashed or lost its network does.
+
+    A node's heartbeat is its Lease in ``kube-node-lease``, which kwok renews
+    while it holds it. This hands the lease to another holder for good, without
+    renewing it, so kwok stops renewing it and stops playing the node's kubelet
+    (it acts only on nodes whose lease it holds). Everything after that is
+    kube-controller-manager's own doing: after the node monitor grace period
+    the node lifecycle controller marks the node NotReady (Unknown) and taints
+    it ``node.kubernetes.io/unreachable``, and the taint-eviction controller
+    evicts its pods (``DisruptionTarget``) once their toleration ends. The pod
+    runner treats the node's machine as gone and stops its processes at once.
+    Evicted pods stay Terminating, as on a real cluster, until the node comes
+    back or is deleted.
+    """
+    _retry_conflicts(lambda: _set_holder(coordination, name, STOPPED_HOLDER, _FOREVER_S))
+
+
+def resume_heartbeat(coordination: client.CoordinationV1Api, name: str) -> None:
+    """Undo :func:`stop_heartbeat`: the lease expires at once and kwok takes it back."""
+    _retry_conflicts(lambda: _set_holder(coordination, name, STOPPED_HOLDER, 1))
+
+
+def heartbeat_stopped(lease: client.V1Lease) -> bool:
+    """Whether ``lease`` (a node's) was stopped by :func:`stop_heartbeat`."""
+    return (lease.spec.holder_identity == STOPPED_HOLDER
+            and (lease.spec.lease_duration_seconds or 0) > 1)
+
+
+def _set_holder(coordination, name: str, holder: str, duration_s: int) -> None:
+    lease = coordination.read_namespaced_lease(name, NODE_LEASE_NAMESPACE)
+    lease.spec.holder_identity = holder
+    lease.spec.lease_duration_seconds = duration_s
+    # replace, not patch: the resourceVersion makes it a compare-and-swap against kwok's
+    # renewal, and the renew time stays the last real heartbeat.
+    coordination.replace_namespaced_lease(name, NODE_LEASE_NAMESPACE, lease)
+
+
+def _retry_conflicts(fn, attempts: int = 10) -> None:
+    from kubernetes.client.rest import ApiException
+
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except ApiException as e:
+            if e.status != 409 or attempt == attempts - 1:
+                raise
 
 
 def set_disruption_target(

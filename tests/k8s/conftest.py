@@ -83,17 +83,23 @@ def core(devcluster):
 
 @pytest.fixture
 def namespace(devcluster, core):
-    """A fresh namespace; its pods are force-deleted afterwards.
+    """A fresh namespace, ready for pods; deleted afterwards, its pods at once.
 
-    The namespace itself stays: finishing a namespace deletion is the job of
-    kube-controller-manager, which the dev cluster does not run.
+    Ready means its ``default`` ServiceAccount exists: kube-controller-manager creates it,
+    and the ServiceAccount admission plugin rejects pods until it does.
     """
+    from dynatrain.devcluster.processes import wait_until
+
     name = f"t-{uuid.uuid4().hex[:8]}"
     core.create_namespace(body={"metadata": {"name": name}})
+    wait_until(f"the default ServiceAccount of {name}", lambda: any(
+        sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items),
+        timeout=datetime.timedelta(seconds=30))
     yield name
     for pod in core.list_namespaced_pod(namespace=name).items:
         core.delete_namespaced_pod(name=pod.metadata.name, namespace=name,
                                    grace_period_seconds=0)
+    core.delete_namespace(name)      # the namespace controller finishes it in the background
 
 
 @pytest.fixture

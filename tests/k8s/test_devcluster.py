@@ -311,3 +311,171 @@ def test_graceful_deletion_waits_for_the_grace_period(core, namespace, timeout):
         return False
     wait_until("pod leaver to be deleted by kwok", gone, timeout=timeout)
     assert time.monotonic() - started >= 2.0
+
+
+# -- kube-controller-manager -------------------------------------------------------------------
+
+def test_controller_manager_makes_service_accounts_and_collects_garbage(core, namespace,
+                                                                         timeout):
+    # The serviceaccount controller: every namespace gets `default` (the ServiceAccount
+    # admission plugin, now on, would reject pods without it).
+    wait_until("the default ServiceAccount", lambda: any(
+        sa.metadata.name == "default"
+        for sa in core.list_namespaced_service_account(namespace).items), timeout=timeout)
+    # The garbage collector: a dependent goes with its owner, as a job's pods, Service,
+    # ConfigMap and Secret go with the DynaTrainJob.
+    owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "owner"}})
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
+           "uid": owner.metadata.uid}
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "dependent",
+                                                           "ownerReferences": [ref]}})
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "independent"}})
+    core.delete_namespaced_config_map("owner", namespace)
+    wait_until("the garbage collector to delete the dependent", lambda: "dependent" not in {
+        s.metadata.name for s in core.list_namespaced_secret(namespace).items},
+        timeout=timeout)
+    assert "independent" in {s.metadata.name for s in core.list_namespaced_secret(namespace).items}
+
+
+def test_a_node_whose_heartbeat_stops_is_tainted_and_its_pods_evicted(devcluster, core,
+                                                                       namespace, timeout):
+    coordination = client.CoordinationV1Api(devcluster.api_client())
+    [lossy] = devcluster.add_pool(dn.NodePool(count=1, gpus_per_node=8, name_prefix="lossy"))
+    try:
+        core.create_namespaced_pod(namespace, gpu_pod("on-lossy", gpus=1, node=lossy))
+        core.create_namespaced_pod(namespace, gpu_pod("elsewhere", gpus=1, node="gpu-node-0"))
+        pod = wait_running(core, namespace, "on-lossy", timeout)
+        # DefaultTolerationSeconds (admission) gave it the dev cluster's short tolerations.
+        assert {(t.key, t.toleration_seconds) for t in pod.spec.tolerations} >= {
+            ("node.kubernetes.io/unreachable", devcluster.config.node_timings.toleration_s)}
+        wait_running(core, namespace, "elsewhere", timeout)
+
+        dn.stop_heartbeat(coordination, lossy)
+        grace = datetime.timedelta(seconds=devcluster.config.node_timings.monitor_grace_s + 30)
+
+        def evicted():
+            p = core.read_namespaced_pod("on-lossy", namespace)
+            target = [c for c in p.status.conditions or [] if c.type == "DisruptionTarget"]
+            return p if p.metadata.deletion_timestamp and target else None
+        pod = wait_until("the taint-eviction controller to evict on-lossy", evicted,
+                         timeout=grace)
+        [target] = [c for c in pod.status.conditions if c.type == "DisruptionTarget"]
+        assert target.reason == "DeletionByTaintManager"
+        node = core.read_node(lossy)
+        assert [c.status for c in node.status.conditions if c.type == "Ready"] == ["Unknown"]
+        assert "node.kubernetes.io/unreachable" in {t.key for t in node.spec.taints}
+        # Only the silent node: the pod elsewhere is untouched.
+        assert core.read_namespaced_pod("elsewhere", namespace).metadata.deletion_timestamp \
+            is None
+
+        dn.resume_heartbeat(coordination, lossy)
+        wait_until(f"{lossy} to be Ready and untainted again", lambda: (lambda n: dn.node_is_ready(
+            n) and not any(t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or []))(
+            core.read_node(lossy)), timeout=grace)
+    finally:
+        dn.delete_node(core, lossy)
+
+
+# -- pods that run ---------------------------------------------------------------------------------
+
+def _process_pod(name: str, script: str, *, restart: str = "Never", claim: str = "") -> dict:
+    import sys
+
+    container = {
+        "name": "main", "image": "unused", "command": [sys.executable, "-c", script],
+        "args": ["$(POD_NAME)", "/config/greeting"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
+                {"name": "DATA", "value": "/data"}],
+        "volumeMounts": [{"name": "config", "mountPath": "/config"}]}
+    volumes = [{"name": "config", "configMap": {"name": "c"}}]
+    if claim:
+        container["volumeMounts"].append({"name": "data", "mountPath": "/data"})
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": claim}})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [container], "volumes": volumes, "restartPolicy": restart,
+                     "nodeSelector": {"kubernetes.io/hostname": "cpu-node-0"}}}
+
+
+def _terminated(core, namespace, name):
+    pod = core.read_namespaced_pod(name, namespace)
+    statuses = pod.status.container_statuses or []
+    if pod.status.phase in ("Succeeded", "Failed") and statuses and statuses[0].state.terminated:
+        return pod
+    return None
+
+
+def test_pod_runner_runs_containers_with_env_volumes_and_a_shared_claim(devcluster, core,
+                                                                          namespace, tmp_path):
+    from dynatrain.devcluster.pods import STORAGE_CLASS, PodRunner
+
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "c"},
+                                                  "data": {"greeting": "hello"}})
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "s"},
+                                              "stringData": {"token": "t0k"}})
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "metadata": {"name": "shared"},
+        "spec": {"accessModes": ["ReadWriteMany"],
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    writer = ("import os, sys; name, path = sys.argv[1:]; "
+              "open(os.environ['DATA'] + '/from-' + name, 'w').write("
+              "open(path).read() + ' ' + os.environ['TOKEN'] + ' ' + os.environ['POD_IP']); "
+              "sys.exit(3)")
+    reader = ("import os, sys, time\n"
+              "p = os.environ['DATA'] + '/from-writer'\n"
+              "while not os.path.exists(p): time.sleep(0.1)\n"
+              "print(open(p).read(), flush=True)\n")
+    long = datetime.timedelta(seconds=60)
+    with PodRunner(core, tmp_path / "pods", namespace=namespace) as runner:
+        core.create_namespaced_pod(namespace, _process_pod("writer", writer, claim="shared"))
+        core.create_namespaced_pod(namespace, _process_pod("reader", reader, claim="shared"))
+        pvc = core.read_namespaced_persistent_volume_claim("shared", namespace)
+        assert pvc.spec.storage_class_name == STORAGE_CLASS     # the default class
+        read_claim = core.read_namespaced_persistent_volume_claim
+        wait_until("the claim to be provisioned and bound",
+                   lambda: read_claim("shared", namespace).status.phase == "Bound",
+                   timeout=long)
+        failed = wait_until("writer to exit", lambda: _terminated(core, namespace, "writer"),
+                            timeout=long)
+        done = wait_until("reader to exit", lambda: _terminated(core, namespace, "reader"),
+                          timeout=long)
+        # Exit codes as a kubelet reports them: 3 -> Failed; 0 -> Succeeded.
+        assert failed.status.phase == "Failed"
+        assert failed.status.container_statuses[0].state.terminated.exit_code == 3
+        assert done.status.phase == "Succeeded"
+        ip = failed.status.pod_ip
+        # ConfigMap volume, Secret env and the downward API, across one claim's directory.
+        assert runner.log(namespace, "reader").strip() == f"hello t0k {ip}"
+        assert (runner.claim_dir(namespace, "shared") / "from-writer").read_text() == \
+            f"hello t0k {ip}"
+
+
+def test_pod_runner_restarts_per_policy_and_sigterms_a_deleted_pod(devcluster, core, namespace,
+                                                                 tmp_path):
+    from dynatrain.devcluster.pods import PodRunner
+
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "c"},
+                                                  "data": {"greeting": "hi"}})
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "s"},
+                                              "stringData": {"token": "x"}})
+    flaky = "import sys; sys.exit(1)"
+    long = datetime.timedelta(seconds=60)
+    with PodRunner(core, tmp_path / "pods", namespace=namespace, backoff_first_s=0.5) as runner:
+        core.create_namespaced_pod(namespace, _process_pod("flaky", flaky, restart="OnFailure"))
+
+        def restarted_twice():
+            pod = core.read_namespaced_pod("flaky", namespace)
+            statuses = pod.status.container_statuses or []
+            return pod if statuses and statuses[0].restart_count >= 2 else None
+        pod = wait_until("flaky to be restarted twice", restarted_twice, timeout=long)
+        assert pod.status.phase == "Running"        # OnFailure: it keeps coming back
+        assert runner.log(namespace, "flaky").count("--- restart") >= 2
+
+        # A deleted pod gets SIGTERM, then SIGKILL at the end of its grace period.
+        sleeper = "import time; time.sleep(600)"
+        core.create_namespaced_pod(namespace, _process_pod("sleeper", sleeper))
+        proc = wait_until("sleeper's process", lambda: runner.process(namespace, "sleeper"),
+                          timeout=long)
+        core.delete_namespaced_pod("sleeper", namespace, grace_period_seconds=30)
+        assert proc.wait(30) == -15                 # python dies of SIGTERM at once

@@ -1,7 +1,8 @@
 """The operator against the real control plane, with real worker processes and real switches.
 
-kwok simulates the GPU nodes and runs no containers; :class:`PodProcesses` starts each worker
-pod's command as a local process on its (loopback) pod IP. Everything else is the real thing:
+kwok simulates the GPU nodes and runs no containers; the dev cluster's pod runner
+(:class:`dynatrain.devcluster.pods.PodRunner`, what ``dynatrain dev cluster --run-pods`` uses)
+starts each worker pod's command as a local process on its (loopback) pod IP. Everything else is the real thing:
 kubectl apply, the scheduler placing pods on GPU nodes, the operator (a separate process, as in
 a cluster) creating pods, reading taints, driving the agents over gRPC, and the trainers
 switching layout live.
@@ -27,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dynatrain.devcluster import NodePool
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
-from pod_processes import PodProcesses
+from dynatrain.devcluster.pods import PodRunner
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,8 +111,8 @@ def operator(devcluster, kubectl, namespace, tmp_path):
                                        "metadata": {"name": "dynatrain-test"}}))
     kubectl("apply", "-n", namespace, "-f", str(peering))
     op = Operator(devcluster, namespace, tmp_path)
-    pods = PodProcesses(devcluster.core(), namespace, tmp_path / "pods",
-                        selector="dynatrain.io/job")
+    pods = PodRunner(devcluster.core(), tmp_path / "pods", namespace=namespace,
+                     selector="dynatrain.io/job")
     with pods:
         op.start()
         try:
@@ -193,7 +194,7 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
                 namespace, label_selector="dynatrain.io/job=elastic").items))
         # the victim's worker saw the switch through and left: it exits by itself (0), or
         # was shutting down when its pod's deletion sent SIGTERM; it was never SIGKILLed
-        assert pods.procs[victim.metadata.name].proc.wait(30) in (0, -signal.SIGTERM)
+        assert pods.process(namespace, victim.metadata.name).wait(30) in (0, -signal.SIGTERM)
 
         # New GPU nodes: the job grows onto them.
         devcluster.add_pool(NodePool(count=2, gpus_per_node=8, name_prefix="gpu-extra",
@@ -278,8 +279,8 @@ def test_a_worker_killed_without_notice_is_recovered_and_replaced(devcluster, ku
         _get(custom, namespace, "chaos").get("status", {})), timeout=150)
     victim = sorted(p.metadata.name for p in core.list_namespaced_pod(
         namespace, label_selector="dynatrain.io/job=chaos").items)[1]
-    _wait(f"{victim}'s process", lambda: victim in pods.procs)
-    pods.procs[victim].proc.kill()               # no notice, no taint: the process is gone
+    _wait(f"{victim}'s process", lambda: pods.process(namespace, victim))
+    pods.process(namespace, victim).kill()       # no notice, no taint: the process is gone
 
     def recovered():
         last = _get(custom, namespace, "chaos").get("status", {}).get("lastSwitch", {})

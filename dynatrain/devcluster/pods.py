@@ -1,0 +1,427 @@
+"""Pods that run: the part of a kubelet that kwok lacks, as local processes.
+
+kwok makes pods Running with a pod IP but starts nothing. :class:`PodRunner` watches the
+cluster and, for every Running pod on a live simulated node, starts its (first) container's
+command as a process on this machine, the way a kubelet would:
+
+- ``command`` + ``args`` with ``$(VAR)`` references expanded from the container's environment:
+  ``value``, the downward API (``metadata.name``/``namespace``/``uid``, ``spec.nodeName``,
+  ``status.podIP``/``hostIP``), ``configMapKeyRef``, ``secretKeyRef`` and ``envFrom``;
+- volumes as directories: ConfigMap and Secret volumes written per pod, ``emptyDir`` per pod,
+  and every PersistentVolumeClaim backed by one directory per claim that every pod mounting it
+  shares (as a ReadWriteMany volume would). Mount paths in the command, the arguments and the
+  environment are mapped onto those directories (a process has no mount namespace of its own);
+- a claim of the runner's StorageClass (:data:`STORAGE_CLASS`, the dev cluster's default) is
+  provisioned as a ``hostPath`` PersistentVolume on that directory, which
+  kube-controller-manager's volume binder binds, as a local-path provisioner does;
+- a process that exits makes its pod ``Succeeded`` or ``Failed`` with the exit code in the
+  container's status, or is restarted per ``restartPolicy`` (with the kubelet's back-off:
+  10 s, doubling, at most 5 minutes, shown as ``CrashLoopBackOff``);
+- a pod being deleted gets SIGTERM, and SIGKILL when its grace period ends; a pod that is gone,
+  or whose node stopped heart-beating or was deleted, is killed (the machine is gone).
+
+The image is not pulled: ``dynatrain`` as the command means this checkout's console script
+(``python -m dynatrain``); any other command runs as it is. The dev cluster hands out pod IPs
+from 127.0.0.0/8, so a process binds its pod IP on loopback and others reach it there, as on a
+cluster network. Logs are in ``<workdir>/<namespace>/<pod>/container.log``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from .nodes import NODE_LEASE_NAMESPACE, heartbeat_stopped
+
+if TYPE_CHECKING:
+    from kubernetes import client
+
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_STRATEGIC = "application/strategic-merge-patch+json"
+
+STORAGE_CLASS = "dynatrain-local"
+"""The dev cluster's default StorageClass; the pod runner provisions its claims."""
+PROVISIONER = "dynatrain.io/local-dir"
+BACKOFF_FIRST_S = 10.0
+BACKOFF_MAX_S = 300.0
+
+
+def storage_class_manifest() -> dict:
+    """The default StorageClass whose claims :class:`PodRunner` provisions (pure)."""
+    return {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+            "metadata": {"name": STORAGE_CLASS, "annotations": {
+                "storageclass.kubernetes.io/is-default-class": "true"}},
+            "provisioner": PROVISIONER, "reclaimPolicy": "Retain",
+            "volumeBindingMode": "Immediate"}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _Container:
+    """The process of one pod (by uid) and what the runner knows of it."""
+
+    namespace: str
+    name: str
+    node: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    restart_policy: str
+    container: str
+    proc: subprocess.Popen | None = None
+    started_at: str = ""
+    restarts: int = 0
+    terminated: bool = False
+    """SIGTERM sent (the pod is being deleted)."""
+    kill_at: float | None = None
+    restart_at: float | None = None
+    """Back-off: when the exited process is started again."""
+    done: bool = False
+    """Exited for good: the pod's phase is Succeeded or Failed."""
+    history: list[int] = field(default_factory=list)
+    """Exit codes, oldest first."""
+
+
+class PodRunner:
+    """Runs the Running pods of ``namespace`` (all namespaces if None) matching ``selector``.
+
+    Use as a context manager (a background thread syncs every ``interval_s``), or call
+    :meth:`sync` yourself. ``workdir`` holds each pod's files and logs and the claims' data.
+    """
+
+    def __init__(self, core: client.CoreV1Api, workdir: Path, *, namespace: str | None = None,
+                 selector: str = "", interval_s: float = 0.2,
+                 backoff_first_s: float = BACKOFF_FIRST_S,
+                 log: Callable[[str], None] | None = None):
+        self.core, self.namespace, self.selector = core, namespace, selector
+        self.workdir = Path(workdir)
+        self.interval_s, self.backoff_first_s = interval_s, backoff_first_s
+        self._say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.containers: dict[str, _Container] = {}
+        """Pod uid -> its container process."""
+        self.errors: list[str] = []
+        """API errors met while syncing (retried on the next round)."""
+        self._coordination = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> PodRunner:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop syncing and kill every process (the node's kubelet and its machine stop)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        for c in self.containers.values():
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.kill()
+        for c in self.containers.values():
+            if c.proc is not None:
+                c.proc.wait(10)
+
+    def _loop(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except (ApiException, OSError) as e:   # apiserver busy or restarting: next round
+                self.errors.append(f"{type(e).__name__}: {e}")
+                del self.errors[:-50]
+            self._stop.wait(self.interval_s)
+
+    # -- queries ------------------------------------------------------------------------------
+    def process(self, namespace: str, pod: str) -> subprocess.Popen | None:
+        """The newest process started for pod ``namespace/pod`` (running or not), if any."""
+        found = [c for c in self.containers.values() if (c.namespace, c.name) == (namespace, pod)
+                 and c.proc is not None]
+        return found[-1].proc if found else None
+
+    def log(self, namespace: str, pod: str) -> str:
+        """What the pod's container printed so far ('' if it never ran)."""
+        path = self.workdir / namespace / pod / "container.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def claim_dir(self, namespace: str, claim: str) -> Path:
+        """The directory behind PersistentVolumeClaim ``namespace/claim``."""
+        return self.workdir / "claims" / namespace / claim
+
+    # -- one round ----------------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.namespace is None:
+            pods = self.core.list_pod_for_all_namespaces(label_selector=self.selector).items
+        else:
+            pods = self.core.list_namespaced_pod(self.namespace,
+                                                 label_selector=self.selector).items
+        alive = self._live_nodes()
+        self._provision_claims()
+        by_uid = {p.metadata.uid: p for p in pods}
+        now = time.monotonic()
+        for uid, c in self.containers.items():
+            self._tend(c, by_uid.get(uid), c.node in alive, now)
+        for uid, pod in by_uid.items():
+            if (uid not in self.containers and pod.status and pod.status.phase == "Running"
+                    and pod.status.pod_ip and pod.metadata.deletion_timestamp is None
+                    and pod.spec.node_name in alive):
+                c = self._prepare(pod)
+                self.containers[uid] = c
+                self._run(c)
+
+    def _live_nodes(self) -> set[str]:
+        """Nodes that exist and still heart-beat (their kubelet, so their processes, live)."""
+        from kubernetes import client
+
+        if self._coordination is None:
+            self._coordination = client.CoordinationV1Api(self.core.api_client)
+        stopped = {lease.metadata.name for lease in self._coordination.list_namespaced_lease(
+            NODE_LEASE_NAMESPACE).items if heartbeat_stopped(lease)}
+        return {n.metadata.name for n in self.core.list_node().items} - stopped
+
+    def _tend(self, c: _Container, pod, node_alive: bool, now: float) -> None:
+        running = c.proc is not None and c.proc.poll() is None
+        if pod is None or not node_alive:            # gone, or its machine is gone
+            if running:
+                c.proc.kill()
+            c.done = True
+            return
+        if running:
+            if pod.metadata.deletion_timestamp is not None and not c.terminated:
+                c.terminated = True
+                c.proc.send_signal(signal.SIGTERM)
+                left = (pod.metadata.deletion_timestamp
+                        - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+                c.kill_at = now + max(0.0, left)
+            elif c.kill_at is not None and now >= c.kill_at:
+                c.proc.kill()
+            return
+        if c.done or c.proc is None:
+            return
+        if c.restart_at is not None:                  # backing off
+            if now >= c.restart_at and pod.metadata.deletion_timestamp is None:
+                c.restart_at = None
+                c.restarts += 1
+                self._run(c)
+            return
+        # As a kubelet reports it: a process killed by signal N exited with 128 + N.
+        code = c.proc.returncode if c.proc.returncode >= 0 else 128 - c.proc.returncode
+        c.history.append(code)
+        if c.terminated:                              # deleted: the pod goes away
+            c.done = True
+            return
+        restart = (c.restart_policy == "Always"
+                   or (c.restart_policy == "OnFailure" and code != 0))
+        if restart:
+            delay = min(BACKOFF_MAX_S, self.backoff_first_s * 2 ** c.restarts)
+            c.restart_at = now + delay
+            self._say(f"[pods] {c.namespace}/{c.name} exited with code {code}; restarting in "
+                      f"{delay:.0f} s (restartPolicy {c.restart_policy})")
+            self._report(c, exited=code, waiting="CrashLoopBackOff")
+        else:
+            c.done = True
+            phase = "Succeeded" if code == 0 else "Failed"
+            self._say(f"[pods] {c.namespace}/{c.name} exited with code {code}: {phase}")
+            self._report(c, exited=code, phase=phase)
+
+    # -- status, as a kubelet reports it --------------------------------------------------------
+    def _report(self, c: _Container, *, exited: int | None = None, phase: str | None = None,
+                waiting: str | None = None) -> None:
+        from kubernetes.client.rest import ApiException
+
+        terminated = None
+        if exited is not None:
+            terminated = {"exitCode": exited, "reason": "Completed" if exited == 0 else "Error",
+                          "startedAt": c.started_at, "finishedAt": _now()}
+        status = {"name": c.container, "image": "", "imageID": "", "ready": False,
+                  "restartCount": c.restarts, "started": False}
+        if waiting is not None:
+            status["state"] = {"waiting": {"reason": waiting}}
+            status["lastState"] = {"terminated": terminated} if terminated else {}
+        elif terminated is not None:
+            status["state"] = {"terminated": terminated}
+        else:
+            status.update(ready=True, started=True,
+                          state={"running": {"startedAt": c.started_at}})
+        ready = "True" if status["ready"] else "False"
+        body: dict = {"status": {"containerStatuses": [status], "conditions": [
+            {"type": "Ready", "status": ready, "lastTransitionTime": _now()},
+            {"type": "ContainersReady", "status": ready, "lastTransitionTime": _now()}]}}
+        if phase is not None:
+            body["status"]["phase"] = phase
+        try:
+            self.core.patch_namespaced_pod_status(c.name, c.namespace, body,
+                                                  _content_type=_STRATEGIC)
+        except ApiException as e:
+            if e.status != 404:                       # a pod that is gone reports nothing
+                raise
+
+    # -- starting a container ---------------------------------------------------------------------
+    def _run(self, c: _Container) -> None:
+        c.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(c.log, "a") as f:
+            if c.restarts:
+                f.write(f"--- restart {c.restarts} ---\n")
+                f.flush()
+            try:
+                c.proc = subprocess.Popen(c.argv, stdout=f, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env={**os.environ, **c.env},
+                                          start_new_session=True)
+            except OSError as e:                      # no such program: as a kubelet, fail
+                f.write(f"cannot start {c.argv[:1]}: {e}\n")
+                c.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(127)"])
+        c.started_at = _now()
+        if c.restarts:
+            self._report(c)
+
+    def _prepare(self, pod) -> _Container:
+        ns, name = pod.metadata.namespace, pod.metadata.name
+        root = self.workdir / ns / name
+        root.mkdir(parents=True, exist_ok=True)
+        container = pod.spec.containers[0]
+        env = self._env(pod, container)
+        mounts = self._volumes(pod, container, root)
+
+        def expand(text: str) -> str:
+            text = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+            for mount_path, local in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+                if text == mount_path or text.startswith(mount_path + "/"):
+                    return str(local) + text[len(mount_path):]
+            return text
+
+        env = {k: expand(v) for k, v in env.items()}
+        argv = [expand(a) for a in (container.command or []) + (container.args or [])]
+        if not argv:
+            argv = [sys.executable, "-c", "import sys; sys.exit('the pod runner runs only "
+                    "containers with a command: images are not pulled or run')"]
+        elif argv[0] == "dynatrain":
+            argv = [sys.executable, "-m", "dynatrain", *argv[1:]]
+        return _Container(ns, name, pod.spec.node_name, argv, env, root / "container.log",
+                          pod.spec.restart_policy or "Always", container.name)
+
+    def _env(self, pod, container) -> dict[str, str]:
+        fields = {"status.podIP": pod.status.pod_ip, "status.hostIP": pod.status.host_ip,
+                  "metadata.name": pod.metadata.name,
+                  "metadata.namespace": pod.metadata.namespace,
+                  "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name,
+                  "spec.serviceAccountName": pod.spec.service_account_name}
+        ns = pod.metadata.namespace
+        env: dict[str, str] = {}
+        for source in container.env_from or []:
+            prefix = source.prefix or ""
+            if source.config_map_ref is not None:
+                data = self._config_map(ns, source.config_map_ref.name)
+            elif source.secret_ref is not None:
+                data = self._secret(ns, source.secret_ref.name)
+            else:
+                continue
+            env.update({prefix + k: v for k, v in data.items()})
+        for e in container.env or []:
+            if e.value is not None:
+                env[e.name] = e.value
+            elif e.value_from is None:
+                env[e.name] = ""
+            elif e.value_from.field_ref is not None:
+                env[e.name] = fields.get(e.value_from.field_ref.field_path) or ""
+            elif e.value_from.config_map_key_ref is not None:
+                ref = e.value_from.config_map_key_ref
+                env[e.name] = self._config_map(ns, ref.name).get(ref.key, "")
+            elif e.value_from.secret_key_ref is not None:
+                ref = e.value_from.secret_key_ref
+                env[e.name] = self._secret(ns, ref.name).get(ref.key, "")
+        return env
+
+    def _config_map(self, namespace: str, name: str) -> dict[str, str]:
+        return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
+
+    def _secret(self, namespace: str, name: str) -> dict[str, str]:
+        data = self.core.read_namespaced_secret(name, namespace).data or {}
+        return {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
+
+    def _volumes(self, pod, container, root: Path) -> dict[str, Path]:
+        """Mount path -> local directory (or file, with subPath) for each volume mount."""
+        ns = pod.metadata.namespace
+        volumes = {v.name: v for v in pod.spec.volumes or []}
+        mounts = {}
+        for m in container.volume_mounts or []:
+            v = volumes[m.name]
+            if v.persistent_volume_claim is not None:
+                local = self.claim_dir(ns, v.persistent_volume_claim.claim_name)
+            else:
+                local = root / "volumes" / m.name
+            local.mkdir(parents=True, exist_ok=True)
+            if v.config_map is not None:
+                cm = self.core.read_namespaced_config_map(v.config_map.name, ns)
+                items = {i.key: i.path for i in v.config_map.items or []} or \
+                    {k: k for k in (cm.data or {})}
+                for key, path in items.items():
+                    (local / path).parent.mkdir(parents=True, exist_ok=True)
+                    (local / path).write_text((cm.data or {})[key])
+            elif v.secret is not None:
+                sec = self.core.read_namespaced_secret(v.secret.secret_name, ns)
+                items = {i.key: i.path for i in v.secret.items or []} or \
+                    {k: k for k in (sec.data or {})}
+                for key, path in items.items():
+                    (local / path).parent.mkdir(parents=True, exist_ok=True)
+                    (local / path).write_bytes(base64.b64decode(sec.data[key]))
+                    (local / path).chmod(0o600)
+            mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path \
+                else local
+        return mounts
+
+    # -- a local-path provisioner ------------------------------------------------------------------
+    def _provision_claims(self) -> None:
+        """A PersistentVolume (hostPath on :meth:`claim_dir`) for every Pending claim of
+        :data:`STORAGE_CLASS`; kube-controller-manager's binder binds the two."""
+        from kubernetes.client.rest import ApiException
+
+        if self.namespace is None:
+            claims = self.core.list_persistent_volume_claim_for_all_namespaces().items
+        else:
+            claims = self.core.list_namespaced_persistent_volume_claim(self.namespace).items
+        for pvc in claims:
+            if (pvc.status.phase != "Pending" or pvc.spec.volume_name
+                    or pvc.spec.storage_class_name != STORAGE_CLASS):
+                continue
+            ns, name = pvc.metadata.namespace, pvc.metadata.name
+            path = self.claim_dir(ns, name)
+            path.mkdir(parents=True, exist_ok=True)
+            size = ((pvc.spec.resources.requests or {}).get("storage") if pvc.spec.resources
+                    else None) or "1Gi"
+            pv = {"apiVersion": "v1", "kind": "PersistentVolume",
+                  "metadata": {"name": f"pvc-{pvc.metadata.uid}",
+                               "annotations": {
+                                   "pv.kubernetes.io/provisioned-by": PROVISIONER}},
+                  "spec": {"capacity": {"storage": size},
+                           "accessModes": pvc.spec.access_modes or ["ReadWriteOnce"],
+                           "persistentVolumeReclaimPolicy": "Retain",
+                           "storageClassName": STORAGE_CLASS,
+                           "claimRef": {"namespace": ns, "name": name,
+                                        "uid": pvc.metadata.uid},
+                           "hostPath": {"path": str(path), "type": "DirectoryOrCreate"}}}
+            try:
+                self.core.create_persistent_volume(pv)
+                self._say(f"[pods] provisioned {ns}/{name} at {path}")
+            except ApiException as e:
+                if e.status != 409:                   # made on an earlier round
+                    raise
