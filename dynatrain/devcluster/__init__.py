@@ -1,11 +1,12 @@
 """A real Kubernetes control plane on loopback for tests and for trying the operator.
 
-``dynatrain.devcluster`` builds etcd, kube-apiserver, kube-scheduler, kubectl
-and kwok from pinned Go modules (:mod:`.build`), starts them on 127.0.0.1
-with a throw-away PKI (:mod:`.certs`, :mod:`.cluster`), and simulates GPU
-nodes with kwok (:mod:`.nodes`), including the signals the operator reacts
-to: cordon, termination taints, node deletion and a pod's DisruptionTarget
-condition. Nothing here imitates the Kubernetes API: every call goes to a
+``dynatrain.devcluster`` builds etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler, kubectl and kwok from pinned Go modules (:mod:`.build`), starts
+them on 127.0.0.1 with a throw-away PKI (:mod:`.certs`, :mod:`.cluster`),
+simulates GPU nodes with kwok (:mod:`.nodes`), including the signals the
+operator reacts to (cordon, termination taints, node deletion, a node whose
+heartbeat stops, a pod's DisruptionTarget condition), and runs pods' commands
+as local processes (:mod:`.pods`). Nothing here imitates the Kubernetes API: every call goes to a
 real apiserver.
 
 Typical use::

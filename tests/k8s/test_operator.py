@@ -302,4 +302,65 @@ def test_a_worker_killed_without_notice_is_recovered_and_replaced(devcluster, ku
             if k[0] == "dynatrain_switches_total" and dict(k[1]).get("result") == "success"}
     assert done.get("failure", 0) >= 1, done
     assert st["generation"] < _get(custom, namespace, "chaos")["status"]["generation"]
+
+    # Deleting the job: its pods, Service, ConfigMap and Secret go through the garbage
+    # collector (owner references); the operator deletes none of them itself.
+    def owned() -> list[str]:
+        objects = (core.list_namespaced_pod(namespace).items
+                   + core.list_namespaced_service(namespace).items
+                   + core.list_namespaced_config_map(namespace).items
+                   + core.list_namespaced_secret(namespace).items)
+        return [f"{type(o).__name__} {o.metadata.name}" for o in objects
+                if any(r.kind == "DynaTrainJob" and r.name == "chaos"
+                       for r in o.metadata.owner_references or [])]
+    kinds = {o.split()[0] for o in owned()}
+    assert kinds >= {"V1Pod", "V1ConfigMap", "V1Secret"}, kinds
     kubectl("delete", "dynatrainjob", "chaos", "-n", namespace, "--wait=false")
+    _wait("the garbage collector to remove the job's objects", lambda: not owned(), timeout=60)
+    assert "deleted; its worker pods are gone" not in op.logs()
+
+
+def test_a_node_that_stops_heart_beating_is_recovered_from(devcluster, kubectl, namespace,
+                                                           operator, tmp_path):
+    # Node loss as a cluster sees it: the node's lease stops, the node lifecycle controller
+    # marks it NotReady and taints it, the taint-eviction controller evicts its pods; the
+    # pod runner stops the node's processes (the machine is gone). The job must recover onto
+    # the workers left, from memory, and keep training.
+    from dynatrain.devcluster.nodes import resume_heartbeat, stop_heartbeat
+
+    op, pods = operator
+    core = devcluster.core()
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    coordination = client.CoordinationV1Api(devcluster.api_client())
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(_job("lossy", gpus=1, max_workers=4)))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    _wait("the job to run on 4 workers", lambda: (lambda s: s if s.get("phase") == "Running"
+                                                   and s.get("workers") == 4 else None)(
+        _get(custom, namespace, "lossy").get("status", {})), timeout=150)
+    job_pods = core.list_namespaced_pod(namespace, label_selector="dynatrain.io/job=lossy").items
+    by_node: dict[str, list[str]] = {}
+    for p in job_pods:
+        by_node.setdefault(p.spec.node_name, []).append(p.metadata.name)
+    # The node with the fewest workers (the scheduler spreads them): some must survive.
+    node = min(by_node, key=lambda n: len(by_node[n]))
+    assert len(by_node[node]) < len(job_pods), by_node
+    _wait("a few steps trained", lambda: _get(custom, namespace, "lossy")["status"].get(
+        "step", 0) >= 3, timeout=60)
+    try:
+        stop_heartbeat(coordination, node)
+
+        def recovered():
+            last = _get(custom, namespace, "lossy").get("status", {}).get("lastSwitch", {})
+            return last if last.get("reason") in ("failure", "preemption") else None
+        last = _wait(f"a recovery from the loss of {node}", recovered, timeout=120)
+        assert last["result"] == "success"
+        _wait(f"the controller-manager to evict the pods of {node}", lambda: all(
+            any(c.type == "DisruptionTarget" for c in p.status.conditions or [])
+            for p in core.list_namespaced_pod(namespace).items
+            if p.metadata.name in by_node[node]), timeout=60)
+        _wait("training to go on after the recovery", lambda: _get(
+            custom, namespace, "lossy")["status"].get("step", 0) > last["step"] + 2, timeout=60)
+    finally:
+        resume_heartbeat(coordination, node)
+        kubectl("delete", "dynatrainjob", "lossy", "-n", namespace, "--wait=false")
