@@ -386,15 +386,7 @@ class DevCluster:
             "--profiling=false",
             "--v=1",
         ], logs)
-        ctx = ssl._create_unverified_context()  # noqa: S323 - loopback health probe only
-
-        def healthy() -> bool:
-            url = f"https://127.0.0.1:{port}/healthz"
-            with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
-                return resp.status == 200
-
-        wait_until(f"kube-controller-manager at https://127.0.0.1:{port}/healthz", healthy,
-                   timeout=self.config.start_timeout, component=kcm)
+        self._wait_healthz(kcm, port)
 
     def _start_scheduler(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
         kubeconfig = self._write_component_kubeconfig(pki, _SCHEDULER)
@@ -417,17 +409,22 @@ class DevCluster:
             "--profiling=false",
             "--v=1",
         ], logs)
-        # The scheduler serves /healthz with a self-signed certificate that it
-        # generates itself; on loopback, checking the status code is enough.
+        self._wait_healthz(scheduler, port)
+
+    def _wait_healthz(self, component: Component, port: int) -> None:
+        """Wait for a control-plane component's ``https://127.0.0.1:PORT/healthz``.
+
+        kube-scheduler and kube-controller-manager serve it with a self-signed
+        certificate they generate themselves; on loopback, the status code is enough."""
         ctx = ssl._create_unverified_context()  # noqa: S323 - loopback health probe only
+        url = f"https://127.0.0.1:{port}/healthz"
 
         def healthy() -> bool:
-            url = f"https://127.0.0.1:{port}/healthz"
             with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:
                 return resp.status == 200
 
-        wait_until(f"kube-scheduler at https://127.0.0.1:{port}/healthz", healthy,
-                   timeout=self.config.start_timeout, component=scheduler)
+        wait_until(f"{component.name} at {url}", healthy, timeout=self.config.start_timeout,
+                   component=component)
 
     def _start_kwok(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
         kubeconfig = self._write_component_kubeconfig(pki, _KWOK)

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -91,8 +91,6 @@ class _Container:
     """Back-off: when the exited process is started again."""
     done: bool = False
     """Exited for good: the pod's phase is Succeeded or Failed."""
-    history: list[int] = field(default_factory=list)
-    """Exit codes, oldest first."""
 
 
 class PodRunner:
@@ -226,7 +224,6 @@ class PodRunner:
             return
         # As a kubelet reports it: a process killed by signal N exited with 128 + N.
         code = c.proc.returncode if c.proc.returncode >= 0 else 128 - c.proc.returncode
-        c.history.append(code)
         if c.terminated:                              # deleted: the pod goes away
             c.done = True
             return
@@ -355,8 +352,12 @@ class PodRunner:
         return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
 
     def _secret(self, namespace: str, name: str) -> dict[str, str]:
+        return {k: v.decode(errors="replace")
+                for k, v in self._secret_bytes(namespace, name).items()}
+
+    def _secret_bytes(self, namespace: str, name: str) -> dict[str, bytes]:
         data = self.core.read_namespaced_secret(name, namespace).data or {}
-        return {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
+        return {k: base64.b64decode(v) for k, v in data.items()}
 
     def _volumes(self, pod, container, root: Path) -> dict[str, Path]:
         """Mount path -> local directory (or file, with subPath) for each volume mount."""
@@ -371,20 +372,11 @@ class PodRunner:
                 local = root / "volumes" / m.name
             local.mkdir(parents=True, exist_ok=True)
             if v.config_map is not None:
-                cm = self.core.read_namespaced_config_map(v.config_map.name, ns)
-                items = {i.key: i.path for i in v.config_map.items or []} or \
-                    {k: k for k in (cm.data or {})}
-                for key, path in items.items():
-                    (local / path).parent.mkdir(parents=True, exist_ok=True)
-                    (local / path).write_text((cm.data or {})[key])
+                data = {k: t.encode() for k, t in self._config_map(ns, v.config_map.name).items()}
+                _project(local, v.config_map.items, data, mode=None)
             elif v.secret is not None:
-                sec = self.core.read_namespaced_secret(v.secret.secret_name, ns)
-                items = {i.key: i.path for i in v.secret.items or []} or \
-                    {k: k for k in (sec.data or {})}
-                for key, path in items.items():
-                    (local / path).parent.mkdir(parents=True, exist_ok=True)
-                    (local / path).write_bytes(base64.b64decode(sec.data[key]))
-                    (local / path).chmod(0o600)
+                _project(local, v.secret.items, self._secret_bytes(ns, v.secret.secret_name),
+                         mode=0o600)
             mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path \
                 else local
         return mounts
@@ -425,3 +417,15 @@ class PodRunner:
             except ApiException as e:
                 if e.status != 409:                   # made on an earlier round
                     raise
+
+
+def _project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> None:
+    """Write a ConfigMap's or Secret's keys into a volume directory: the ``items`` listed
+    (key -> relative path), or every key under its own name."""
+    paths = {i.key: i.path for i in items or []} or {k: k for k in data}
+    for key, path in paths.items():
+        target = local / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data[key])
+        if mode is not None:
+            target.chmod(mode)
