@@ -4,29 +4,27 @@ The control plane and helm are built by the same code; building them here would 
 so these tests give the builder a two-file module whose ``tool`` is a main package of its own,
 and check what the big builds rely on: the cache key ignores comments but not pins, flags or
 environment; a cached build is never redone; two builders at once build once; a failed build
-names its log; a missing Go says what to install.
+names its log; a missing Go says what to install. Without go on PATH they build with the
+toolchain :mod:`~dynatrain.devcluster.goinstall` installs (tests/test_goinstall.py).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
 
-from dynatrain.devcluster import gobuild
+from dynatrain.devcluster import gobuild, goinstall
 
-if shutil.which("go") is None:
-    if os.environ.get("CI"):
-        pytest.fail("no Go toolchain: CI builds the control plane with it", pytrace=False)
-    pytest.skip("no Go toolchain to build with", allow_module_level=True)
+# The control plane's go line, so that a machine without Go installs one toolchain, not two.
+GO_LINE = goinstall.requirements(gobuild.TOOLS / "k8s" / "go.mod")[0]
 
-GO_MOD = """\
+GO_MOD = f"""\
 // a comment that does not change the pins
 module example.com/hello
 
-go 1.24
+go {GO_LINE}
 
 tool example.com/hello/cmd/hello
 """
@@ -40,8 +38,20 @@ func main() { fmt.Println("hello from a pinned module") }
 """
 
 
+@pytest.fixture(scope="module")
+def go():
+    """Skip (fail in CI) if there is no Go and none can be installed."""
+    try:
+        return gobuild.go_command(gobuild.TOOLS / "k8s" / "go.mod")
+    except gobuild.GoUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"no Go toolchain: CI builds the control plane with it: {exc}",
+                        pytrace=False)
+        pytest.skip(f"no Go toolchain to build with: {exc}")
+
+
 @pytest.fixture
-def module(tmp_path):
+def module(tmp_path, go):
     src = tmp_path / "mod"
     (src / "cmd" / "hello").mkdir(parents=True)
     (src / "go.mod").write_text(GO_MOD)
@@ -74,7 +84,8 @@ def test_cache_key_ignores_comments_but_not_pins_flags_or_env(module):
     go_mod = module.module_dir / "go.mod"
     go_mod.write_text(GO_MOD.replace("a comment", "another comment"))
     assert gobuild.pins_hash(module) == base
-    go_mod.write_text(GO_MOD.replace("go 1.24", "go 1.25"))
+    # An older go line: any Go that builds GO_MOD builds this (no other toolchain needed).
+    go_mod.write_text(GO_MOD.replace(f"go {GO_LINE}", "go 1.22"))
     assert gobuild.pins_hash(module) != base
     go_mod.write_text(GO_MOD)
     assert gobuild.pins_hash(dataclasses.replace(module, ldflags="-s")) != base

@@ -12,9 +12,11 @@ is compiled from a wrapper Go module whose ``go.mod`` is the one place its versi
   complete staging directory, so a reader sees all of them or none;
 - **lock**: a file lock per hash serialises concurrent builders (two test sessions, a CLI and a
   CI warm-up): the second waits, then reuses the first one's result;
-- **toolchain**: the go.mod's ``go`` line is the minimum; ``GOTOOLCHAIN=auto`` (Go's default)
-  lets an older ``go`` fetch the required toolchain through the module proxy, and a missing
-  ``go`` is a :class:`GoUnavailable` that says what to install;
+- **toolchain**: the go.mod's ``go`` line is the minimum; go on PATH is used if it is new
+  enough or (Go >= 1.21, ``GOTOOLCHAIN=auto``) fetches the required toolchain itself, else
+  :mod:`.goinstall` downloads and verifies that toolchain into ``~/.cache/dynatrain/go``
+  (:func:`go_command`); only when that download is impossible is there a
+  :class:`GoUnavailable`, which says what to install;
 - **progress and time limit**: one line every 15 s (packages compiled so far), and the build is
   killed past its timeout, with the log's path in the error.
 """
@@ -35,12 +37,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import goinstall
 from .errors import DevClusterError
 
 _PROGRESS_EVERY_S = 15.0
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 """The source checkout's wrapper Go modules (``tools/k8s``, ``tools/helm``)."""
+
+GO_CACHE_ENV = "DYNATRAIN_GO_CACHE"
+"""Overrides where Go toolchains are installed (``$XDG_CACHE_HOME/dynatrain/go``)."""
 
 
 class GoBuildError(DevClusterError):
@@ -58,6 +64,20 @@ def cache_root(name: str, env_var: str) -> Path:
         return Path(override)
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "dynatrain" / name
+
+
+def go_command(go_mod: Path, *, log: Callable[[str], None] | None = None) -> str:
+    """A Go that builds the module of ``go_mod``: go on PATH, else a toolchain installed for it.
+
+    Raises :class:`GoUnavailable` if there is none and none can be downloaded, and
+    :class:`GoBuildError` if a downloaded toolchain fails its checksum.
+    """
+    try:
+        return goinstall.find_go(go_mod, cache_root("go", GO_CACHE_ENV), log=log)
+    except goinstall.DownloadFailed as exc:
+        raise GoUnavailable(f"no Go to build {go_mod.parent} with: {exc}") from exc
+    except goinstall.GoInstallError as exc:
+        raise GoBuildError(str(exc)) from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +102,8 @@ class GoModule:
     """Extra build environment (``CGO_ENABLED=0`` for a static binary); part of the hash."""
     timeout: datetime.timedelta = datetime.timedelta(minutes=90)
     """The build is killed past this (a cold control-plane build takes 4-12 min on 2 cores)."""
-    go: str = "go"
-    """The Go command."""
+    go: str | None = None
+    """The Go command; None (the default): :func:`go_command` for the module's go.mod."""
 
     def __post_init__(self) -> None:
         if not (self.module_dir / "go.mod").is_file():
@@ -108,18 +128,26 @@ class Built:
         return self.bin_dir / name
 
 
+def _go(module: GoModule) -> tuple[str, dict[str, str]]:
+    """The module's Go command and the environment to run it in."""
+    go = module.go or go_command(module.module_dir / "go.mod")
+    return go, {**os.environ, **goinstall.toolchain_env(go, cache_root("go", GO_CACHE_ENV))}
+
+
 def run_go(module: GoModule, *args: str, timeout: float = 120) -> str:
     """``go ARGS`` in the module's directory; its stdout."""
+    go, env = _go(module)
     try:
-        out = subprocess.run([module.go, *args], cwd=module.module_dir, capture_output=True,
-                             text=True, timeout=timeout, check=True)
+        out = subprocess.run([go, *args], cwd=module.module_dir, capture_output=True,
+                             text=True, timeout=timeout, check=True, env=env)
     except FileNotFoundError as exc:
         raise GoUnavailable(
-            f"Go command {module.go!r} not found: the {module.label} binaries are built from "
+            f"Go command {go!r} not found: the {module.label} binaries are built from "
             f"their Go module ({module.module_dir}); install Go (Debian: apt-get install "
-            "golang-go; any Go >= 1.21 fetches the toolchain go.mod requires)") from exc
+            "golang-go; any Go >= 1.21 fetches the toolchain go.mod requires), or leave "
+            "GoModule.go unset to have that toolchain installed") from exc
     except subprocess.CalledProcessError as exc:
-        raise GoBuildError(f"`{module.go} {' '.join(args)}` failed in {module.module_dir}: "
+        raise GoBuildError(f"`{go} {' '.join(args)}` failed in {module.module_dir}: "
                            f"{exc.stderr.strip()}") from exc
     return out.stdout
 
@@ -147,6 +175,8 @@ def cached(module: GoModule, digest: str | None = None) -> Built | None:
 def ensure_built(module: GoModule, *, log: Callable[[str], None] | None = None) -> Built:
     """The binaries of the current pins, built first if they are not cached."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if module.go is None:
+        go_command(module.module_dir / "go.mod", log=log)   # an install says so through `log`
     # One hash for the whole call: a go.mod edited while a long build runs does not move it.
     digest = pins_hash(module)
     found = cached(module, digest)
@@ -174,9 +204,10 @@ def _build(module: GoModule, target: Path, log: Callable[[str], None]) -> None:
     # -v names each package as it is compiled: that is the progress signal. -trimpath keeps
     # the binaries independent of where the checkout and caches live. Flags go on the command
     # line, not through $GOFLAGS, so that a user's own GOFLAGS still apply.
-    cmd = [module.go, "build", "-v", "-trimpath", f"-ldflags={module.ldflags}",
+    go, go_env = _go(module)
+    cmd = [go, "build", "-v", "-trimpath", f"-ldflags={module.ldflags}",
            "-o", str(staging) + "/", "tool"]
-    env = {**os.environ, **module.env}
+    env = {**go_env, **module.env}
     shown_env = " ".join(f"{k}={v}" for k, v in sorted(module.env.items()))
     log(f"[{module.label}] building {', '.join(module.binaries)} from {module.module_dir} "
         f"into {target / 'bin'}; log: {log_path}")
@@ -189,7 +220,7 @@ def _build(module: GoModule, target: Path, log: Callable[[str], None]) -> None:
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         except FileNotFoundError as exc:
-            raise GoUnavailable(f"Go command {module.go!r} not found") from exc
+            raise GoUnavailable(f"Go command {go!r} not found") from exc
         compiled = 0
         last = ""
 

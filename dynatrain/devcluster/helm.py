@@ -55,7 +55,7 @@ def ensure_helm(toolchain: GoModule | None = None, *,
                 log: Callable[[str], None] | None = None) -> Path:
     """Path of the ``helm`` binary for the current pin, built first if it is not cached.
 
-    Raises :class:`~.gobuild.GoUnavailable` without Go, :class:`~.gobuild.GoBuildError` if
-    the build fails.
+    Raises :class:`~.gobuild.GoUnavailable` if there is no Go and none can be downloaded
+    (:func:`~.gobuild.go_command`), :class:`~.gobuild.GoBuildError` if the build fails.
     """
     return ensure_built(toolchain or default_toolchain(), log=log).path("helm")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 import uuid
 
 import pytest
@@ -38,11 +37,16 @@ GPUS_PER_NODE = 8
 @pytest.fixture(scope="session")
 def devcluster(tmp_path_factory):
     """A running dev cluster: GPU_NODES nodes x GPUS_PER_NODE GPUs, plus one CPU-only node."""
-    if shutil.which("go") is None:
-        # The cache is keyed by the Go version too, so without Go there is
-        # nothing to look up. With Go, a missing cache is built here
-        # (minutes) rather than skipped, so CI cannot pass vacuously.
-        _unavailable("no Go toolchain (>= 1.26) to build the control plane with")
+    from dynatrain.devcluster.gobuild import TOOLS, GoUnavailable, go_command
+
+    try:
+        # go on PATH, else the toolchain tools/k8s/go.mod names, installed (goinstall.py).
+        # The cache is keyed by the Go version too, so without Go there is nothing to look
+        # up. With Go, a missing cache is built here (minutes) rather than skipped, so CI
+        # cannot pass vacuously.
+        go_command(TOOLS / "k8s" / "go.mod")
+    except GoUnavailable as exc:
+        _unavailable(str(exc))
     config = ClusterConfig(
         pools=(
             NodePool(count=GPU_NODES, gpus_per_node=GPUS_PER_NODE, instance_type="p5.48xlarge"),
