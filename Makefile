@@ -25,10 +25,15 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
 
+# The dev cluster's real node (tests/k8s/test_real_node.py): containerd, runc, CNI plugins, and
+# debootstrap and busybox-static for the images it runs (dynatrain/devcluster/kubelet.py).
+RUNTIME_DEBS := containerd runc containernetworking-plugins debootstrap busybox-static
+
 # Tests need a real Prometheus (Debian's package; installed once, root or sudo) and the
 # control plane and helm built from their pinned Go modules (cached under ~/.cache/dynatrain).
 test: setup go-tools
 	@$(PHASE) "test: prometheus" tools/install-prometheus.sh
+	@$(PHASE) "test: container runtime" tools/install-debs.sh $(RUNTIME_DEBS)
 	@$(PHASE) "test: pytest" $(BIN)/python -m pytest
 
 # Without a Go on PATH that can build them (Go >= 1.21 fetches the toolchain go.mod names

@@ -27,8 +27,11 @@ nvidia.com/gpu are scheduled onto them by the real scheduler and reported
 Running. The controller-manager garbage-collects a deleted job's objects and
 evicts the pods of a node whose heartbeat stops. With --run-pods, every Running
 pod's container command also runs, as a local process on its loopback pod IP
-(no images are pulled; `dynatrain` means this checkout). Stop with Ctrl-C (or
-SIGTERM): every process is stopped and the state directory removed.
+(no images are pulled; `dynatrain` means this checkout). With --real-node, one
+more node is run by a real kubelet with containerd and runc (root only): its
+pods run in containers, from images built here with debootstrap (the worker
+image localhost/dynatrain:dev; the first build takes minutes). Stop with Ctrl-C
+(or SIGTERM): every process is stopped and the state directory removed.
 """
 
 _EPILOG = """\
@@ -36,6 +39,7 @@ examples:
   dynatrain dev cluster --nodes 4 --gpus-per-node 8 --kubeconfig /tmp/dev.kubeconfig
   KUBECONFIG=/tmp/dev.kubeconfig kubectl get nodes
   dynatrain dev cluster --run-pods --nodes 2 --kubeconfig /tmp/dev.kubeconfig
+  dynatrain dev cluster --real-node --nodes 0 --kubeconfig /tmp/dev.kubeconfig
   dynatrain dev cluster --build-only      # build/cache the binaries (CI warm-up)
 """
 
@@ -82,6 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="run every Running pod's container command as a local process "
                         "(ConfigMap, Secret and claim volumes as directories; logs under "
                         "the work dir's pods/)")
+    p.add_argument("--real-node", action="store_true",
+                   help="add one node run by a real kubelet with containerd (root; needs "
+                        "tools/install-debs.sh containerd runc containernetworking-plugins "
+                        "debootstrap); its pods run in containers of image "
+                        "localhost/dynatrain:dev")
     p.add_argument("--build-only", action="store_true",
                    help="only build and cache the binaries, then exit")
     p.set_defaults(func=run)
@@ -101,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     from dynatrain.devcluster.build import (BINARIES, default_toolchain, ensure_built,
                                             pinned_versions)
     from dynatrain.devcluster.cluster import ClusterConfig, DevCluster
+    from dynatrain.devcluster.kubelet import RealNodeConfig
 
     binaries = ensure_built()
     if args.build_only:
@@ -108,10 +118,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"binaries ({', '.join(BINARIES)}) for {versions} are in {binaries.bin_dir}")
         return 0
 
+    if args.nodes < 0 or (args.nodes == 0 and not args.real_node):
+        print(f"dynatrain dev cluster: error: --nodes {args.nodes}: give at least 1 "
+              "(or 0 with --real-node)", file=sys.stderr)
+        return 2
     config = ClusterConfig(
         pools=(NodePool(count=args.nodes, gpus_per_node=args.gpus_per_node, cpu=args.cpu,
                         memory=args.memory, instance_type=args.instance_type,
-                        taints=tuple(args.taint)),),
+                        taints=tuple(args.taint)),) if args.nodes else (),
+        real_nodes=(RealNodeConfig(),) if args.real_node else (),
         kubeconfig=args.kubeconfig.resolve(),
         workdir=args.workdir.resolve() if args.workdir else None,
         # Pods that run bind their pod IP: it must be an address of this machine.
@@ -134,8 +149,12 @@ def _run(args: argparse.Namespace) -> int:
             runner.start()
         kubectl = binaries.path("kubectl")
         print(
-            f"\ndev cluster ready: {len(cluster.nodes)} nodes x {args.gpus_per_node} "
+            f"\ndev cluster ready: {args.nodes} simulated nodes x {args.gpus_per_node} "
             f"nvidia.com/gpu, apiserver {cluster.server}\n"
+            + "".join(f"real node {n.config.name}: kubelet + containerd, node IP {n.node_ip}; "
+                      f"image {n.images.get('worker')}; run the operator with "
+                      f"--rendezvous-host {n.node_ip} so its pods reach it\n"
+                      for n in cluster.real_nodes) +
             f"  export KUBECONFIG={cluster.kubeconfig}\n"
             f"  {kubectl} get nodes\n"
             f"  kubectl apply -f crds/dynatrainjob.yaml\n"

@@ -1,6 +1,7 @@
 """The control plane's binaries, built from the pinned Go module ``tools/k8s``.
 
-etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and kwok are compiled from the wrapper module in
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and kubelet (for
+the dev cluster's one real node, :mod:`.kubelet`) are compiled from the wrapper module in
 ``tools/k8s``, whose ``go.mod`` is the one place their versions are pinned, by the project's one
 Go builder (:mod:`.gobuild`: content-keyed cache, lock, toolchain, progress). The result is
 kept under ``~/.cache/dynatrain/k8s/<pins hash>/bin/`` (``DYNATRAIN_K8S_CACHE`` overrides the
@@ -26,6 +27,7 @@ BINARIES: dict[str, str] = {
     "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
     "kwok": "sigs.k8s.io/kwok/cmd/kwok",
+    "kubelet": "k8s.io/kubernetes/cmd/kubelet",
 }
 
 

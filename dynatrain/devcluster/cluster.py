@@ -17,9 +17,11 @@ deletion; the ``default`` ServiceAccount and its tokens; the pod garbage
 collector; and the PersistentVolume binder. Its timings are shortened
 (:class:`NodeTimings`) so that a test sees a lost node within seconds.
 
-kwok plays every node's kubelet: it keeps the nodes' leases (the heartbeat) and
+kwok plays the simulated nodes' kubelets: it keeps their leases (the heartbeat) and
 status and moves scheduled pods to Running. It runs no containers; the
-:mod:`.pods` runner does that part, as local processes.
+:mod:`.pods` runner does that part, as local processes. A node of
+:attr:`ClusterConfig.real_nodes` is run by a real kubelet with containerd instead
+(:mod:`.kubelet`): its pods run in containers.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .gobuild import Built
 from .certs import ClientIdentity, Pki, write_pki
 from .errors import DevClusterError
 from .kubeconfig import build_kubeconfig, write_kubeconfig
+from .kubelet import RealNode, RealNodeConfig
 from .nodes import KWOK_ANNOTATION, NodePool, add_nodes, node_is_ready
 from .pods import storage_class_manifest
 from .processes import Component, free_port, wait_until
@@ -61,6 +64,16 @@ _CONTROLLER_MANAGER = ClientIdentity(name="kube-controller-manager",
 # node; no built-in role covers that, and in a throw-away cluster a
 # dedicated ClusterRole would only be a copy of the list to keep up to date.
 _KWOK = ClientIdentity(name="kwok", user="kwok-controller", groups=("system:masters",))
+# The apiserver's identity towards kubelets (logs, exec, port-forward); a real node's kubelet
+# accepts certificates of the cluster CA and authorizes them all.
+_APISERVER_KUBELET_CLIENT = ClientIdentity(name="apiserver-kubelet-client",
+                                           user="kube-apiserver-kubelet-client")
+
+
+def _node_identity(name: str) -> ClientIdentity:
+    """A kubelet's identity: the Node authorizer and NodeRestriction admission read it."""
+    return ClientIdentity(name=f"node-{name}", user=f"system:node:{name}",
+                          groups=("system:nodes",))
 
 
 def _seconds(name: str, default: float) -> datetime.timedelta:
@@ -76,6 +89,7 @@ CONTROLLERS = (
     "serviceaccount-controller",           # the `default` ServiceAccount of each namespace
     "serviceaccount-token-controller",     # legacy token Secrets; the controllers' own tokens
     "persistentvolume-binder-controller",  # binds claims to the volumes the pod runner makes
+    "root-ca-certificate-publisher-controller",  # kube-root-ca.crt, for real pods' SA volume
 )
 """The kube-controller-manager controllers the dev cluster runs. Workload controllers
 (Deployment, ReplicaSet, Job...) are left out: nothing the tests or the operator's jobs create
@@ -115,6 +129,10 @@ class ClusterConfig:
 
     pools: tuple[NodePool, ...] = (NodePool(),)
     """Simulated nodes to create once the control plane is up."""
+    real_nodes: tuple[RealNodeConfig, ...] = ()
+    """Nodes run by a real kubelet with containerd (:mod:`.kubelet`; root only)."""
+    repo_root: Path | None = None
+    """The source checkout the real nodes' worker image is built from (default: this one)."""
     kubeconfig: Path | None = None
     """Where to write the admin kubeconfig; default ``<workdir>/admin.kubeconfig``."""
     workdir: Path | None = None
@@ -137,7 +155,8 @@ class ClusterConfig:
     """Grace period for each component after SIGTERM, before SIGKILL."""
 
     def __post_init__(self) -> None:
-        names = [n for pool in self.pools for n in pool.node_names()]
+        names = ([n for pool in self.pools for n in pool.node_names()]
+                 + [n.name for n in self.real_nodes])
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"ClusterConfig.pools name the same nodes twice: {duplicates}; "
@@ -168,6 +187,8 @@ class DevCluster:
         """The admin kubeconfig, once the cluster and its nodes are ready."""
         self._admin_kubeconfig: Path | None = None
         self.nodes: list[str] = []
+        self.real_nodes: list[RealNode] = []
+        """The kubelet-run nodes, started."""
         self._api: client.ApiClient | None = None
 
     # -- lifecycle ---------------------------------------------------------
@@ -200,7 +221,9 @@ class DevCluster:
         logs = work / "logs"
         self._log(f"[devcluster] work dir {work}, logs in {logs}")
 
-        pki = write_pki(work / "pki", clients=(_ADMIN, _SCHEDULER, _CONTROLLER_MANAGER, _KWOK),
+        nodes = tuple(_node_identity(n.name) for n in cfg.real_nodes)
+        pki = write_pki(work / "pki", clients=(_ADMIN, _SCHEDULER, _CONTROLLER_MANAGER, _KWOK,
+                                               _APISERVER_KUBELET_CLIENT, *nodes),
                         service_ip=_first_ip(cfg.service_cidr))
 
         etcd_url = self._start_etcd(binaries, work, logs)
@@ -215,6 +238,8 @@ class DevCluster:
         client.StorageV1Api(self.api_client()).create_storage_class(storage_class_manifest())
         for pool in cfg.pools:
             self.add_pool(pool)
+        for node in cfg.real_nodes:
+            self._start_real_node(binaries, work, pki, node)
         # Written last: whoever waits for this file (a script, a person) may
         # use the cluster as soon as it appears, nodes included.
         self.kubeconfig = (write_kubeconfig(cfg.kubeconfig, admin) if cfg.kubeconfig
@@ -223,6 +248,16 @@ class DevCluster:
     def stop(self) -> None:
         """Stop every component (newest first) and remove an owned work dir."""
         errors = []
+        # Real nodes first, while the apiserver still answers: their kubelets stop their own
+        # pods, which unmounts volumes and removes network namespaces the proper way.
+        for node in reversed(self.real_nodes):
+            try:
+                core = self.core() if self._admin_kubeconfig else None
+            except Exception:  # noqa: BLE001 - no API: clean up without draining
+                core = None
+            errors += [f"real node {node.config.name}: {e}"
+                       for e in node.stop(core, self.config.stop_timeout)]
+        self.real_nodes.clear()
         for component in reversed(self._components):
             try:
                 component.stop(self.config.stop_timeout)
@@ -323,6 +358,10 @@ class DevCluster:
             f"--cert-dir={work / 'apiserver-certs'}",
             f"--tls-cert-file={pki.apiserver.cert}",
             f"--tls-private-key-file={pki.apiserver.key}",
+            f"--kubelet-client-certificate={pki.clients['apiserver-kubelet-client'].cert}",
+            f"--kubelet-client-key={pki.clients['apiserver-kubelet-client'].key}",
+            # Node names do not resolve here; a real node's InternalIP is its bridge address.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             f"--client-ca-file={pki.ca.cert}",
             f"--service-account-key-file={pki.service_account_pub}",
             f"--service-account-signing-key-file={pki.service_account_key}",
@@ -448,6 +487,30 @@ class DevCluster:
 
         wait_until(f"kwok at http://127.0.0.1:{port}/healthz", healthy,
                    timeout=self.config.start_timeout, component=kwok)
+
+    def _start_real_node(self, binaries: Built, work: Path, pki: Pki,
+                         node: RealNodeConfig) -> None:
+        ident = _node_identity(node.name)
+        real = RealNode(
+            node, workdir=work / "nodes" / node.name, server=self.server, ca=pki.ca.cert,
+            client=pki.clients[ident.name],
+            lease_s=self.config.node_timings.lease_s, kubelet_binary=binaries.path("kubelet"),
+            start_component=lambda name, argv: self._start_component(
+                f"{node.name}-{name}", argv, work / "logs"),
+            log=self._log, repo_root=self.config.repo_root)
+        # Listed before it starts, so that a failed start is cleaned up by stop().
+        self.real_nodes.append(real)
+        real.start(self.config.start_timeout)
+        core = self.core()
+
+        def ready() -> bool:
+            n = core.read_node(node.name)
+            return node_is_ready(n) and not any(
+                t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
+
+        wait_until(f"real node {node.name} to register, become Ready and schedulable", ready,
+                   timeout=self.config.start_timeout, component=real.kubelet)
+        self.nodes.append(node.name)
 
     def component_logs(self) -> dict[str, Path]:
         """Log file of each running component, by name."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .nodes import NODE_LEASE_NAMESPACE, heartbeat_stopped
+from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -188,14 +188,17 @@ class PodRunner:
                 self._run(c)
 
     def _live_nodes(self) -> set[str]:
-        """Nodes that exist and still heart-beat (their kubelet, so their processes, live)."""
+        """Simulated nodes that exist and still heart-beat (their kubelet, so their processes,
+        live). A real node's kubelet (:mod:`.kubelet`) runs its own pods' containers."""
         from kubernetes import client
 
         if self._coordination is None:
             self._coordination = client.CoordinationV1Api(self.core.api_client)
         stopped = {lease.metadata.name for lease in self._coordination.list_namespaced_lease(
             NODE_LEASE_NAMESPACE).items if heartbeat_stopped(lease)}
-        return {n.metadata.name for n in self.core.list_node().items} - stopped
+        key, value = KWOK_ANNOTATION
+        return {n.metadata.name for n in self.core.list_node().items
+                if (n.metadata.annotations or {}).get(key) == value} - stopped
 
     def _tend(self, c: _Container, pod, node_alive: bool, now: float) -> None:
         running = c.proc is not None and c.proc.poll() is None

@@ -31,7 +31,8 @@ from dynatrain.devcluster.processes import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "dynatrainjob.yaml"
-EXAMPLES = (REPO / "examples" / "quickstart.yaml", REPO / "examples" / "dynatrainjob.yaml")
+EXAMPLES = (REPO / "examples" / "quickstart.yaml", REPO / "examples" / "dynatrainjob.yaml",
+            REPO / "examples" / "dev-job.yaml", REPO / "examples" / "dev-job-containers.yaml")
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 

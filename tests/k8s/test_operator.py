@@ -11,93 +11,23 @@ switching layout live.
 from __future__ import annotations
 
 import base64
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
-from prometheus_client.parser import text_string_to_metric_families
 
 from dynatrain.devcluster import NodePool
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
 from dynatrain.devcluster.pods import PodRunner
+from operator_process import Operator, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(what: str, fn, timeout: float = 90.0, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-class Operator:
-    """`dynatrain operator` as a separate process, restartable."""
-
-    def __init__(self, devcluster, namespace: str, workdir: Path):
-        self.kubeconfig, self.namespace, self.workdir = devcluster.kubeconfig, namespace, workdir
-        self.metrics_port = _free_port()
-        self.proc = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.workdir / f"operator-{self.starts}.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynatrain", "operator", "--kubeconfig",
-             str(self.kubeconfig), "--namespace", self.namespace, "--metrics-port",
-             str(self.metrics_port), "--rendezvous-host", "127.0.0.1", "--peering",
-             "dynatrain-test", "--peering-lifetime", "4"],
-            stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": "0.3",
-                 "DYNATRAIN_METRICS_ADDR": "127.0.0.1"})
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def logs(self) -> str:
-        return "\n".join((self.workdir / f"operator-{i}.log").read_text()
-                         for i in range(1, self.starts + 1))
-
-    def metrics(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                    timeout=5) as r:
-            text = r.read().decode()
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
 
 
 @pytest.fixture
