@@ -149,8 +149,9 @@ def _run(args: argparse.Namespace) -> int:
             runner.start()
         kubectl = binaries.path("kubectl")
         print(
-            f"\ndev cluster ready: {args.nodes} simulated nodes x {args.gpus_per_node} "
-            f"nvidia.com/gpu, apiserver {cluster.server}\n"
+            f"\ndev cluster ready, apiserver {cluster.server}\n"
+            + (f"{args.nodes} simulated nodes x {args.gpus_per_node} nvidia.com/gpu\n"
+               if args.nodes else "")
             + "".join(f"real node {n.config.name}: kubelet + containerd, node IP {n.node_ip}; "
                       f"image {n.images.get('worker')}; run the operator with "
                       f"--rendezvous-host {n.node_ip} so its pods reach it\n"
@@ -160,7 +161,9 @@ def _run(args: argparse.Namespace) -> int:
             f"  kubectl apply -f crds/dynatrainjob.yaml\n"
             f"logs: {cluster.workdir / 'logs'}\n"
             + (f"pods run here; their logs: {cluster.workdir / 'pods'}/NAMESPACE/POD/"
-               "container.log\n" if runner else "pods are not run (see --run-pods)\n") +
+               "container.log\n" if runner else
+               "pods on simulated nodes are not run (see --run-pods)\n" if args.nodes
+               else "") +
             "Ctrl-C stops the cluster.", flush=True)
         stop.wait()
     except KeyboardInterrupt:
