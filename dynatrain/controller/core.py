@@ -396,24 +396,26 @@ class JobController:
         record.phases["lost_steps"] = max(0, lost_from - record.step)
         record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
         self._rewind(record.step)
-        # The restored step (snapshot or checkpoint) includes the failed devices' reads up
+        # The restored step (snapshot or checkpoint) includes every data reader's reads up
         # to it, whether or not their last reports reached the controller.
-        self._account_lost_reports(old, failed, record.step)
+        self._account_unreported_reads(old, record.step)
         self._after_switch(old, new, record)
         self.failed.clear()
         self.interrupted_since = None
         self.recoveries.append(record)
         return record
 
-    def _account_lost_reports(self, old: Layout, failed, step: int) -> None:
-        """A failed device's step records after its last Status are gone with it, but the
-        restored state includes those steps, so its data reads happened. Which samples a data
-        reader reads is a function of the layout and the step alone (the first stage's TP
-        rank 0 of DP index j reads its j-th share of the step's global batch), so they are
+    def _account_unreported_reads(self, old: Layout, step: int) -> None:
+        """The restored state includes every step up to ``step``, so every data reader's reads
+        of those steps happened, but not every step record reached the controller: a failed
+        device's are gone with it, and a survivor can be interrupted between finishing a step
+        (its snapshot exists) and publishing the step's record. Which samples a data reader
+        reads is a function of the layout and the step alone (the first stage's TP rank 0 of
+        DP index j reads its j-th share of the step's global batch), so the missing ones are
         accounted here exactly as the device would have reported them."""
         gbs = self.job.global_batch_size
         per_rank = gbs // old.dp
-        for d in failed:
+        for d in old.device_of:
             stage, j, t = old.coords(old.device_of.index(d))
             if stage != 0 or t != 0:
                 continue

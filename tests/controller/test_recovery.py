@@ -103,3 +103,37 @@ def test_a_job_starts_from_a_checkpoint_written_under_another_layout(tmp_path):
                        str(tmp_path / "run2"))
     assert out["steps"] == 9 and "started from checkpoint" in stdout
     assert len(out["losses"]) == 3 and out["samples_exactly_once"]
+
+
+def test_a_recovery_accounts_the_reads_no_record_reached(tmp_path):
+    # Found by chaos trial 1 (dp=4, a worker killed while preparing a switch): the survivors
+    # finished step 8 (their snapshots hold it, so the recovery restored it) but were
+    # interrupted before publishing its step record. The restored state includes every data
+    # reader's step-8 reads, the survivors' as well as the dead worker's: each must be
+    # counted once, and a read that was reported must not be counted again.
+    from dynatrain.controller.core import JobController
+    from dynatrain.controller.hardware import PROFILES
+    from dynatrain.controller.job import load_job
+    from dynatrain.vps.layout import parse_layout
+
+    job = load_job(_job(tmp_path, "dp=4"))
+    gbs = job.global_batch_size
+    ctl = JobController(job, rendezvous="127.0.0.1:1", profile=PROFILES["cpu"])
+    layout = parse_layout("dp=4").with_devices(range(4))
+    per_rank = gbs // 4
+    for step in range(1, 8):                  # steps 1-7 reported by every reader
+        for j in range(4):
+            start = (step - 1) * gbs + j * per_rank
+            ctl.progress.samples.append((start, start + per_rank))
+    ctl._seen = {d: 7 for d in range(4)}
+    ctl.progress.samples.append((7 * gbs + per_rank, 7 * gbs + 2 * per_rank))
+    ctl._seen[1] = 8                          # device 1 did report step 8
+
+    ctl._account_unreported_reads(layout, 8)
+
+    counts = [0] * (8 * gbs)
+    for a, b in ctl.progress.samples:
+        for i in range(a, b):
+            counts[i] += 1
+    assert counts == [1] * (8 * gbs)
+    assert ctl._seen == {d: 8 for d in range(4)}
