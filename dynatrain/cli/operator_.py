@@ -46,7 +46,10 @@ def run_operator(args) -> int:
     from dynatrain.operator import handlers  # noqa: F401  (registers the handlers)
 
     kopf.configure(verbose=False)
-    kopf.run(standalone=args.standalone, peering_name=args.peering, priority=args.priority,
+    # kopf makes peering mandatory whenever a peering name is given, and with --standalone
+    # there is no peering to find: every watch would stay paused and no job be handled.
+    peering = {} if args.standalone else {"peering_name": args.peering}
+    kopf.run(standalone=args.standalone, priority=args.priority, **peering,
              clusterwide=not args.namespace, namespaces=args.namespace,
              liveness_endpoint=args.liveness)
     return 0

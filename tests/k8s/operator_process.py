@@ -39,10 +39,11 @@ class Operator:
     """`dynatrain operator` as a separate process, restartable."""
 
     def __init__(self, devcluster, namespace: str, workdir: Path, *,
-                 rendezvous_host: str = "127.0.0.1"):
+                 rendezvous_host: str = "127.0.0.1", standalone: bool = False):
         self.kubeconfig, self.namespace, self.workdir = devcluster.kubeconfig, namespace, workdir
         # Where the job's rendezvous store listens: an address its worker pods reach.
         self.rendezvous_host = rendezvous_host
+        self.standalone = standalone
         self.metrics_port = free_port()
         self.proc = None
         self.starts = 0
@@ -53,8 +54,9 @@ class Operator:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dynatrain", "operator", "--kubeconfig",
              str(self.kubeconfig), "--namespace", self.namespace, "--metrics-port",
-             str(self.metrics_port), "--rendezvous-host", self.rendezvous_host, "--peering",
-             "dynatrain-test", "--peering-lifetime", "4"],
+             str(self.metrics_port), "--rendezvous-host", self.rendezvous_host,
+             *(["--standalone"] if self.standalone else
+               ["--peering", "dynatrain-test", "--peering-lifetime", "4"])],
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": "0.3",
                  "DYNATRAIN_METRICS_ADDR": "127.0.0.1"})

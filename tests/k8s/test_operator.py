@@ -294,3 +294,28 @@ def test_a_node_that_stops_heart_beating_is_recovered_from(devcluster, kubectl, 
     finally:
         resume_heartbeat(coordination, node)
         kubectl("delete", "dynatrainjob", "lossy", "-n", namespace, "--wait=false")
+
+
+def test_a_standalone_operator_handles_jobs(devcluster, kubectl, namespace, tmp_path):
+    # `dynatrain operator --standalone` (one replica, no KopfPeering object): kopf used to
+    # be told a peering name as well, which made peering mandatory, and with none to find
+    # every watch stayed paused: no job was ever handled.
+    kubectl("apply", "--server-side", "--force-conflicts", "-f",
+            str(ROOT / "crds" / "dynatrainjob.yaml"))
+    kubectl("wait", "--for=condition=Established", "--timeout=30s",
+            "crd/dynatrainjobs.dynatrain.io")
+    op = Operator(devcluster, namespace, tmp_path, standalone=True)
+    core = devcluster.core()
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(_job("solo", gpus=1, max_workers=1)))
+    op.start()
+    try:
+        kubectl("apply", "-n", namespace, "-f", str(manifest))
+        _wait("the standalone operator to create the job's worker pod", lambda: any(
+            p.metadata.name == "solo-worker-0" for p in core.list_namespaced_pod(
+                namespace, label_selector="dynatrain.io/job=solo").items), timeout=60)
+        kubectl("delete", "dynatrainjob", "solo", "-n", namespace, "--wait=true",
+                "--timeout=60s")     # the operator, still running, removes its finalizer
+    finally:
+        op.stop()
+        print(op.logs()[-4000:])
