@@ -418,10 +418,13 @@ def test_pod_runner_runs_containers_with_env_volumes_and_a_shared_claim(devclust
         "metadata": {"name": "shared"},
         "spec": {"accessModes": ["ReadWriteMany"],
                  "resources": {"requests": {"storage": "1Gi"}}}})
+    # The writer renames a complete file into place: the reader polls for it, and a file
+    # opened for writing exists (empty) before its contents are written.
     writer = ("import os, sys; name, path = sys.argv[1:]; "
-              "open(os.environ['DATA'] + '/from-' + name, 'w').write("
+              "out = os.environ['DATA'] + '/from-' + name; "
+              "open(out + '.tmp', 'w').write("
               "open(path).read() + ' ' + os.environ['TOKEN'] + ' ' + os.environ['POD_IP']); "
-              "sys.exit(3)")
+              "os.replace(out + '.tmp', out); sys.exit(3)")
     reader = ("import os, sys, time\n"
               "p = os.environ['DATA'] + '/from-writer'\n"
               "while not os.path.exists(p): time.sleep(0.1)\n"
