@@ -80,7 +80,7 @@ from typing import BinaryIO
 
 from .errors import DevClusterError
 from .gobuild import cache_root
-from .processes import _die_with_parent
+from .processes import _die_with_parent, check_output
 
 PAUSE_REF = "localhost/dynatrain-pause:dev"
 WORKER_REF = "localhost/dynatrain:dev"
@@ -691,17 +691,7 @@ def _require(*commands: str) -> None:
 
 def _check_output(argv: Sequence[str], *, what: str, timeout: float,
                   cwd: Path | None = None) -> str:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    except FileNotFoundError as exc:
-        raise ImageBuildError(f"{what}: `{argv[0]}` not found") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise ImageBuildError(f"{what}: `{shlex.join(argv)}` did not finish in {timeout:.0f} s"
-                              ) from exc
-    if proc.returncode != 0:
-        raise ImageBuildError(f"{what}: `{shlex.join(argv)}` failed with exit code "
-                              f"{proc.returncode}:\n{(proc.stdout + proc.stderr).strip()}")
-    return proc.stdout
+    return check_output(argv, what=what, timeout=timeout, cwd=cwd, error=ImageBuildError)
 
 
 def _size(n: float) -> str:

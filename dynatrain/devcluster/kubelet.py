@@ -48,7 +48,7 @@ import yaml
 from .certs import CertPair
 from .errors import DevClusterError
 from .gobuild import TOOLS
-from .processes import Component, free_port, wait_until
+from .processes import Component, check_output, free_port, wait_until
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
@@ -86,19 +86,9 @@ def _cgroup_mounts() -> list[Path]:
     return mounts
 
 
-def _run(argv: list[str], *, what: str, timeout: float = 60) -> str:
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise DevClusterError(f"{what}: `{' '.join(argv)}` failed: {exc}") from exc
-    if out.returncode != 0:
-        raise DevClusterError(f"{what}: `{' '.join(argv)}` exited {out.returncode}: "
-                              f"{(out.stderr or out.stdout).strip()}")
-    return out.stdout
-
-
 def _addresses_in_use() -> list[ipaddress.IPv4Interface]:
-    out = _run(["ip", "-j", "-4", "addr", "show"], what="listing this host's addresses")
+    out = check_output(["ip", "-j", "-4", "addr", "show"], timeout=60,
+                       what="listing this host's addresses")
     return [ipaddress.IPv4Interface(f"{a['local']}/{a['prefixlen']}")
             for link in json.loads(out) for a in link.get("addr_info", [])]
 
@@ -173,10 +163,12 @@ class RealNode:
         # IP, which the kubelet needs at start, is on it and the host can bind it at once.
         self.subnet = _free_subnet(ipaddress.IPv4Network(self.config.bridge_pool))
         self.node_ip = str(self.subnet[1])
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"], what="creating the bridge")
-        _run(["ip", "addr", "add", f"{self.node_ip}/{self.subnet.prefixlen}", "dev",
-              self.bridge], what="addressing the bridge")
-        _run(["ip", "link", "set", self.bridge, "up"], what="bringing the bridge up")
+        check_output(["ip", "link", "add", self.bridge, "type", "bridge"], timeout=60,
+                     what="creating the bridge")
+        check_output(["ip", "addr", "add", f"{self.node_ip}/{self.subnet.prefixlen}", "dev",
+                      self.bridge], timeout=60, what="addressing the bridge")
+        check_output(["ip", "link", "set", self.bridge, "up"], timeout=60,
+                     what="bringing the bridge up")
         cni = self.workdir / "cni"
         (cni / "net.d").mkdir(parents=True, exist_ok=True)
         (cni / "net.d" / "10-dynatrain.conflist").write_text(json.dumps({
@@ -333,7 +325,8 @@ state = "{d / 'state'}"
         errors += self._unmount()
         if self.subnet is not None:
             try:
-                _run(["ip", "link", "del", self.bridge], what="removing the bridge")
+                check_output(["ip", "link", "del", self.bridge], timeout=60,
+                             what="removing the bridge")
             except DevClusterError as exc:
                 if "Cannot find device" not in str(exc):
                     errors.append(str(exc))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -140,3 +141,20 @@ def wait_until(
                 f"timed out after {timeout.total_seconds():.0f}s waiting for {what} "
                 f"(last: {last_error}){where}")
         time.sleep(_POLL_S)
+
+
+def check_output(argv: Sequence[str], *, what: str, timeout: float, cwd: Path | None = None,
+                 error: type[DevClusterError] = DevClusterError) -> str:
+    """Run a short command to completion; its stdout, or ``error`` naming ``what`` failed,
+    the command and its output."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd)
+    except FileNotFoundError as exc:
+        raise error(f"{what}: `{argv[0]}` not found") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise error(f"{what}: `{shlex.join(argv)}` did not finish in {timeout:.0f} s") from exc
+    if proc.returncode != 0:
+        raise error(f"{what}: `{shlex.join(argv)}` failed with exit code "
+                    f"{proc.returncode}:\n{(proc.stdout + proc.stderr).strip()}")
+    return proc.stdout
