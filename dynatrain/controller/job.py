@@ -24,6 +24,18 @@ from dynatrain.vps.presets import load_model
 API_VERSION = "dynatrain.io/v1alpha1"
 KIND = "DynaTrainJob"
 PREEMPTION_POLICIES = ("Switch", "Restart", "Ignore")
+DEFAULT_GLOBAL_BATCH_SIZE = 8
+"""``spec.globalBatchSize`` when unset (the CRD's schema default too)."""
+WORKER_METRICS_PORT = 9400
+"""The port the worker serves its metrics on (``operator/cluster.py`` ``METRICS_PORT``): the
+agent cannot have it."""
+MIN_AGENT_PORT = 1024
+"""The worker runs as a non-root user (UID 10001), which cannot bind a lower port."""
+OPERATOR_MOUNTS = {"/etc/dynatrain": "the job file", "/var/run/secrets": "the agent token"}
+"""What the operator mounts in every worker, and where (``operator/cluster.py``)."""
+SYSTEM_DIRS = ("/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib64",
+               "/boot", "/run", "/var/run")
+"""Directories of the worker container that a checkpoint claim must not be mounted over."""
 
 
 class JobError(ValueError):
@@ -237,7 +249,8 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                     max_pp=r.int(lim, "maxPP", "spec.parallelism.limits", minimum=1),
                     max_ep=r.int(lim, "maxEP", "spec.parallelism.limits", minimum=1),
                     zero_stages=tuple(sorted(set(zero))))
-    gbs = r.int(spec, "globalBatchSize", "spec", 8, minimum=1) or 8
+    gbs = (r.int(spec, "globalBatchSize", "spec", DEFAULT_GLOBAL_BATCH_SIZE, minimum=1)
+           or DEFAULT_GLOBAL_BATCH_SIZE)
     tr = r.obj(spec, "training", "spec")
     training = Training(
         steps=r.int(tr, "steps", "spec.training", 100, minimum=1) or 100,
@@ -247,10 +260,22 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         adam_eps=r.float(tr, "adamEpsilon", "spec.training", 1e-8),
         seed=r.int(tr, "seed", "spec.training", 0, minimum=0) or 0,
         data=r.str(tr, "data", "spec.training", "synthetic") or "synthetic")
+    mbs = training.micro_batch_size
+    gbs_text = (f"spec.globalBatchSize={gbs}" if "globalBatchSize" in spec
+                else f"spec.globalBatchSize={gbs} (the default)")
+    if gbs % mbs:
+        r.problems.append(f"{gbs_text} must be a multiple of spec.training.microBatchSize="
+                          f"{mbs}: every step is a whole number of micro-batches")
     res = r.obj(spec, "resources", "spec")
     gpus = r.int(res, "gpus", "spec.resources", 0, minimum=0) or 0
     agent = r.obj(spec, "agent", "spec")
-    port = r.int(agent, "port", "spec.agent", 50051, minimum=1, maximum=65535) or 50051
+    port = r.int(agent, "port", "spec.agent", 50051)
+    if not MIN_AGENT_PORT <= port <= 65535 or port == WORKER_METRICS_PORT:
+        r.problems.append(f"spec.agent.port={port} cannot be used: valid ports are "
+                          f"{MIN_AGENT_PORT}..65535 except {WORKER_METRICS_PORT} (the worker "
+                          f"runs as a non-root user, which cannot bind a port below "
+                          f"{MIN_AGENT_PORT}, and serves its metrics on {WORKER_METRICS_PORT})")
+        port = 50051
     secret = r.str(agent, "authSecret", "spec.agent")
     policy = r.str(spec, "preemptionPolicy", "spec", "Switch",
                    choices=PREEMPTION_POLICIES) or "Switch"
@@ -266,7 +291,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         mirror=mirror,
         checkpoint_interval=(r.int(ck, "intervalSteps", "spec.checkpoint", 1000, minimum=1)
                              or 1000) if ck else 0,
-        checkpoint_dir=r.str(ck, "path", "spec.checkpoint", "/checkpoints") if ck else "",
+        checkpoint_dir=_checkpoint_path(r, ck) if ck else "",
         checkpoint_keep=r.int(ck, "keep", "spec.checkpoint", 2, minimum=1) or 2,
         resume_from=r.str(rec, "resumeFrom", "spec.recovery") or "")
 
@@ -277,10 +302,18 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         if bad:
             r.problems.append(f"spec.parallelism.layout={layout.to_text()!r} does not fit "
                               f"{model.name}: " + "; ".join(bad))
-        elif max_w and mode == "fixed" and layout.world > max_w:
-            r.problems.append(f"spec.parallelism.layout={layout.to_text()!r} needs "
-                              f"{layout.world} workers, more than spec.elastic.maxWorkers="
-                              f"{max_w}")
+    if layout is not None and mode == "fixed":
+        # The only layout a fixed job runs (auto mode does not use it: the solver picks).
+        if max_w and layout.world > max_w:
+            r.problems.append(f"spec.parallelism.layout={par['layout']!r} (mode fixed) needs "
+                              f"dp*tp*pp = {layout.world} workers, more than "
+                              f"spec.elastic.maxWorkers={max_w}: raise maxWorkers or choose a "
+                              f"layout with at most {max_w} workers")
+        if gbs % (layout.dp * mbs):
+            r.problems.append(f"spec.parallelism.layout={par['layout']!r} (mode fixed): "
+                              f"dp * spec.training.microBatchSize = {layout.dp} * {mbs} must "
+                              f"divide {gbs_text}: every data-parallel rank takes the same "
+                              "number of whole micro-batches")
     if model is not None and training.seq_len > model.max_seq_len:
         r.problems.append(f"spec.training.seqLen={training.seq_len} exceeds the model's "
                           f"max_seq_len {model.max_seq_len}")
@@ -292,6 +325,34 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
                    recovery=recovery)
+
+
+def _checkpoint_path(r: _Reader, ck: dict) -> str:
+    """``spec.checkpoint.path``, where the claim is mounted in each worker: the CRD's two rules."""
+    path = ck.get("path", "/checkpoints")
+    if not isinstance(path, str) or not path:
+        r.str(ck, "path", "spec.checkpoint")           # reports it
+        return "/checkpoints"
+    # One trailing slash changes nothing (/proc/ is /proc); any other empty, '.' or '..'
+    # segment would let a path walk around the directories below (/checkpoints/../etc).
+    norm = path[:-1] if len(path) > 1 and path.endswith("/") else path
+    if path != "/" and (not path.startswith("/") or ":" in path
+                        or any(p in ("", ".", "..") for p in norm.split("/")[1:])):
+        r.problems.append(f"spec.checkpoint.path={path!r} must be an absolute path without ':' "
+                          "and without '.', '..' or empty segments, e.g. /checkpoints")
+        return path
+    hit = [d for d in (*OPERATOR_MOUNTS, *SYSTEM_DIRS) if norm == d or norm.startswith(d + "/")]
+    if path == "/":
+        why = "over the whole file system of the worker container"
+    elif hit and hit[0] in OPERATOR_MOUNTS:
+        why = f"at or under {hit[0]}, where the operator mounts {OPERATOR_MOUNTS[hit[0]]}"
+    elif hit:
+        why = f"at or under {hit[0]}, a system directory the worker needs"
+    else:
+        return path
+    r.problems.append(f"spec.checkpoint.path={path!r} would mount the checkpoint claim {why}: "
+                      "use a directory of its own, e.g. /checkpoints")
+    return path
 
 
 def load_job(path: str | Path) -> JobSpec:

@@ -7,7 +7,12 @@ and client libraries show per field) and in the message text. The valid manifest
 its variants and the examples) must be accepted by the apiserver *and* by the Python parser
 that ``dynatrain run`` and the operator use (``job_from_manifest``), so the two never disagree
 about what a valid job is; for the invalid manifests whose fields the parser checks, it must
-refuse them too.
+refuse them too, naming the same field.
+
+Updates: a running job may change only ``spec.elastic``, ``spec.parallelism`` and
+``spec.preemptionPolicy`` (the operator applies them live). Every other spec field is immutable
+(CEL transition rules): changing, adding or removing it is refused with a message that names it,
+while updates that leave the spec alone (status, finalizers, annotations) always pass.
 """
 
 from __future__ import annotations
@@ -140,11 +145,28 @@ INVALID = [
          "spec.parallelism.limits.zeroStages[1]", True),
     Case("batch-zero", setting("spec.globalBatchSize", 0), "spec.globalBatchSize", True),
     Case("batch-not-multiple", setting("spec.globalBatchSize", 63), "spec.globalBatchSize",
-         False),
+         True),
+    # globalBatchSize defaults to 8: a micro-batch of 3 cannot divide it, set or not.
+    Case("micro-batch-vs-default-batch", lambda d: (d["spec"].pop("globalBatchSize"),
+         d["spec"]["training"].update(microBatchSize=3)), "spec.globalBatchSize", True),
+    # A fixed layout is the only one the job runs: it must fit maxWorkers (8) and split the
+    # batch (64 = dp * microBatchSize (2) * micro-batches per rank).
+    Case("fixed-layout-above-max", lambda d: d["spec"].__setitem__(
+        "parallelism", {"mode": "fixed", "layout": "dp=4,tp=2,pp=2"}),
+        "spec.parallelism.layout", True),
+    Case("fixed-layout-above-max-by-dp", lambda d: d["spec"].__setitem__(
+        "parallelism", {"mode": "fixed", "layout": "dp=16"}), "spec.parallelism.layout", True),
+    Case("fixed-layout-dp-not-dividing-batch", lambda d: d["spec"].__setitem__(
+        "parallelism", {"mode": "fixed", "layout": "dp=3,tp=2"}),
+        "spec.parallelism.layout", True),
     Case("lr-zero", setting("spec.training.learningRate", 0), "spec.training.learningRate",
          True),
     Case("seqlen-negative", setting("spec.training.seqLen", -1), "spec.training.seqLen", True),
     Case("port-too-big", setting("spec.agent.port", 70000), "spec.agent.port", True),
+    # The worker runs as UID 10001 (no privileged ports) and serves metrics on 9400.
+    Case("port-privileged", setting("spec.agent.port", 80), "spec.agent.port", True),
+    Case("port-below-1024", setting("spec.agent.port", 1023), "spec.agent.port", True),
+    Case("port-is-metrics-port", setting("spec.agent.port", 9400), "spec.agent.port", True),
     Case("secret-bad-name", setting("spec.agent.authSecret", "Agent_Token"),
          "spec.agent.authSecret", False),
     Case("policy-unknown", setting("spec.preemptionPolicy", "Evict"), "spec.preemptionPolicy",
@@ -152,7 +174,27 @@ INVALID = [
     Case("restart-without-checkpoint", lambda d: (d["spec"].pop("checkpoint"), d["spec"].update(
         preemptionPolicy="Restart")), "spec.checkpoint", False),
     Case("checkpoint-relative-path", setting("spec.checkpoint.path", "checkpoints"),
-         "spec.checkpoint.path", False),
+         "spec.checkpoint.path", True),
+    # The claim must not be mounted over / or a system directory, nor over the operator's own
+    # mounts (the job file in /etc/dynatrain, the agent token in /var/run/secrets).
+    Case("checkpoint-path-root", setting("spec.checkpoint.path", "/"), "spec.checkpoint.path",
+         True),
+    Case("checkpoint-path-proc", setting("spec.checkpoint.path", "/proc"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-dev-trailing-slash", setting("spec.checkpoint.path", "/dev/"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-under-usr", setting("spec.checkpoint.path", "/usr/local/ckpt"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-var-run", setting("spec.checkpoint.path", "/var/run"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-job-file", setting("spec.checkpoint.path", "/etc/dynatrain"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-token", setting("spec.checkpoint.path", "/var/run/secrets/dynatrain"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-backstep", setting("spec.checkpoint.path", "/checkpoints/../etc"),
+         "spec.checkpoint.path", True),
+    Case("checkpoint-path-empty-segment", setting("spec.checkpoint.path", "/checkpoints//a"),
+         "spec.checkpoint.path", True),
     Case("checkpoint-no-claim", dropping("spec.checkpoint.claimName"),
          "spec.checkpoint.claimName", False),
     Case("checkpoint-interval-zero", setting("spec.checkpoint.intervalSteps", 0),
@@ -178,6 +220,24 @@ VALID = {
         "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 512, "max_seq_len": 1024}}),
     "restart-with-checkpoint": setting("spec.preemptionPolicy", "Restart"),
     "integer-quantities": lambda d: d["spec"]["resources"].update(cpu=8, memory=68719476736),
+    # EP ranks are carved out of DP: dp=4,tp=2,ep=4 is 8 workers, not 32.
+    "fixed-moe-ep-within-max": lambda d: (
+        d["spec"].update(model={"preset": "moe-tiny"},
+                         parallelism={"mode": "fixed", "layout": "dp=4,tp=2,ep=4"}),
+        d["spec"]["training"].update(seqLen=128)),
+    # minWorkers may exceed what a fixed layout needs (world 4 < minWorkers 6).
+    "fixed-layout-below-min": lambda d: d["spec"].update(
+        elastic={"minWorkers": 6, "maxWorkers": 8},
+        parallelism={"mode": "fixed", "layout": "dp=2,tp=2"}),
+    # In auto mode the layout is not used (the solver picks), so it need not fit maxWorkers.
+    "auto-layout-above-max": setting("spec.parallelism.layout", "dp=4,tp=4"),
+    # The default batch (8) with a micro-batch that divides it.
+    "default-batch-micro-batch-4": lambda d: (d["spec"].pop("globalBatchSize"),
+                                              d["spec"]["training"].update(microBatchSize=4)),
+    # Lowest allowed agent port; paths that only look like system directories, a trailing /.
+    "agent-port-1024": setting("spec.agent.port", 1024),
+    "checkpoint-path-lookalike": setting("spec.checkpoint.path", "/etcetera/proc/"),
+    "checkpoint-path-var-runner": setting("spec.checkpoint.path", "/var/runner"),
 }
 
 
@@ -283,25 +343,279 @@ def test_defaults_are_applied(custom, namespace):
     assert stored["checkpoint"] == {"claimName": "gpt-ckpt", "path": "/checkpoints",
                                     "intervalSteps": 1000, "keep": 2}
     assert stored["parallelism"]["mode"] == "auto"
+    del doc["spec"]["globalBatchSize"]
+    doc["metadata"]["name"] = "defaults-batch"
+    assert _create(custom, namespace, doc)["spec"]["globalBatchSize"] == 8
 
 
-def test_model_and_global_batch_are_immutable(custom, namespace):
-    _create(custom, namespace, base_job("frozen"))
+# -- updates: what a running job may change ---------------------------------------------
 
-    def patch(spec: dict):
-        return custom.patch_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, "frozen", {"spec": spec},
-            _content_type="application/merge-patch+json")
+def _patch(custom, namespace: str, name: str, body: dict) -> dict:
+    return custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name, body,
+        _content_type="application/merge-patch+json")
 
-    for spec, field in (({"model": {"preset": "llama-7b"}}, "spec.model"),
-                        ({"globalBatchSize": 128}, "spec.globalBatchSize")):
+
+def _get(custom, namespace: str, name: str) -> dict:
+    return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def running_job(name: str) -> dict:
+    """The base job with every optional immutable field set (recovery too)."""
+    doc = base_job(name)
+    doc["spec"]["recovery"] = {"mirror": True, "resumeFrom": "/checkpoints/step-100"}
+    return doc
+
+
+@dataclass(frozen=True)
+class Edit:
+    id: str
+    field: str
+    """The immutable spec field the edit touches (``spec.training``)."""
+    patch: dict
+    """A JSON merge patch of ``spec``, valid on a new job (so only immutability refuses it)."""
+    created_without: bool = False
+    """Create the job without the field, so that the patch adds it."""
+
+
+# Every immutable field: changed (a nested value where it is an object), added where it is
+# optional, removed where it is optional (a required field's removal is refused as Required).
+IMMUTABLE = [
+    Edit("image-change", "spec.image", {"image": "registry.example.com/dynatrain:0.2.0"}),
+    Edit("command-change", "spec.command", {"command": ["python", "-m", "dynatrain"]}),
+    Edit("command-add", "spec.command", {"command": ["dynatrain"]}, created_without=True),
+    Edit("command-remove", "spec.command", {"command": None}),
+    Edit("args-change", "spec.args", {"args": ["worker", "--verbose"]}),
+    Edit("args-add", "spec.args", {"args": ["worker"]}, created_without=True),
+    Edit("args-remove", "spec.args", {"args": None}),
+    Edit("model-change", "spec.model", {"model": {"preset": "gpt-125m"}}),
+    Edit("model-to-inline", "spec.model", {"model": {"preset": None, "spec": {
+        "name": "small", "arch": "gpt", "vocab_size": 1024, "hidden_size": 128,
+        "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 512, "max_seq_len": 1024}}}),
+    Edit("resources-gpus", "spec.resources", {"resources": {"gpus": 2}}),
+    Edit("resources-memory", "spec.resources", {"resources": {"memory": "128Gi"}}),
+    Edit("resources-cpu-remove", "spec.resources", {"resources": {"cpu": None}}),
+    Edit("batch-change", "spec.globalBatchSize", {"globalBatchSize": 128}),
+    # Created without it, the job has the default (8); setting it later is an edit.
+    Edit("batch-add", "spec.globalBatchSize", {"globalBatchSize": 16}, created_without=True),
+    # Removing it brings back the default (8), which differs from 64.
+    Edit("batch-remove", "spec.globalBatchSize", {"globalBatchSize": None}),
+    Edit("training-steps", "spec.training", {"training": {"steps": 2000}}),
+    Edit("training-micro-batch", "spec.training", {"training": {"microBatchSize": 4}}),
+    Edit("training-seqlen-remove", "spec.training", {"training": {"seqLen": None}}),
+    Edit("training-add", "spec.training", {"training": {"steps": 10}}, created_without=True),
+    Edit("training-remove", "spec.training", {"training": None}),
+    Edit("checkpoint-claim", "spec.checkpoint", {"checkpoint": {"claimName": "other-ckpt"}}),
+    Edit("checkpoint-path", "spec.checkpoint", {"checkpoint": {"path": "/data/ckpt"}}),
+    Edit("checkpoint-interval", "spec.checkpoint", {"checkpoint": {"intervalSteps": 100}}),
+    Edit("checkpoint-add", "spec.checkpoint", {"checkpoint": {"claimName": "gpt-ckpt"}},
+         created_without=True),
+    Edit("checkpoint-remove", "spec.checkpoint", {"checkpoint": None}),
+    Edit("recovery-mirror", "spec.recovery", {"recovery": {"mirror": False}}),
+    Edit("recovery-resume-remove", "spec.recovery", {"recovery": {"resumeFrom": None}}),
+    Edit("recovery-add", "spec.recovery", {"recovery": {"mirror": False}}, created_without=True),
+    Edit("recovery-remove", "spec.recovery", {"recovery": None}),
+    Edit("agent-port", "spec.agent", {"agent": {"port": 50052}}),
+    Edit("agent-secret", "spec.agent", {"agent": {"authSecret": "other-token"}}),
+    Edit("agent-add", "spec.agent", {"agent": {"port": 50051}}, created_without=True),
+    Edit("agent-remove", "spec.agent", {"agent": None}),
+]
+
+# Edits a running job may make: the operator applies them live. Each is accepted, and the
+# stored spec shows it.
+MUTABLE = {
+    "elastic": {"elastic": {"minWorkers": 1, "maxWorkers": 16, "workers": 12}},
+    "elastic-workers-remove": {"elastic": {"workers": None}},
+    "parallelism-layout": {"parallelism": {"layout": "dp=4,tp=2"}},
+    "parallelism-limits": {"parallelism": {"limits": {"maxTP": 2, "zeroStages": [0, 1, 3]}}},
+    "parallelism-to-fixed": {"parallelism": {"mode": "fixed", "layout": "dp=2,tp=2,pp=2",
+                                             "limits": None}},
+    "parallelism-remove": {"parallelism": None},
+    "preemption-policy": {"preemptionPolicy": "Restart"},
+    "preemption-policy-remove": {"preemptionPolicy": None},
+}
+
+
+def test_every_spec_field_is_classified():
+    # A new spec field must be added to one list or the other (and to the CRD's rules).
+    schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]
+    fields = set(schema["openAPIV3Schema"]["properties"]["spec"]["properties"])
+    immutable = {e.field.removeprefix("spec.") for e in IMMUTABLE}
+    mutable = {"elastic", "parallelism", "preemptionPolicy"}
+    assert fields == immutable | mutable and not immutable & mutable
+    assert {k for p in MUTABLE.values() for k in p} == mutable
+    for f in immutable - {"image", "model", "resources"}:    # the optional ones
+        kinds = {e.id.rsplit("-", 1)[-1] for e in IMMUTABLE if e.field == f"spec.{f}"}
+        assert {"add", "remove"} <= kinds, f
+
+
+@pytest.mark.parametrize("edit", IMMUTABLE, ids=lambda e: e.id)
+def test_immutable_field_edit_is_refused(custom, namespace, edit):
+    doc = running_job("frozen")
+    if edit.created_without:
+        del doc["spec"][edit.field.removeprefix("spec.")]
+    created = _create(custom, namespace, doc)
+    with pytest.raises(ApiException) as err:
+        _patch(custom, namespace, "frozen", {"spec": edit.patch})
+    message, fields = _invalid(err.value)
+    assert edit.field in fields, f"{edit.field!r} not among the causes {fields}: {message}"
+    assert f"{edit.field} is immutable" in message and "create a new DynaTrainJob" in message, \
+        message
+    assert _get(custom, namespace, "frozen")["spec"] == created["spec"]
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386: what a JSON merge patch makes of ``target``."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(out.get(key), value)
+    return out
+
+
+def test_every_edit_is_valid_on_a_new_job(custom, namespace):
+    # So an edit refused above is refused for its immutability, not for a bad value.
+    for n, edit in enumerate(IMMUTABLE):
+        doc = running_job(f"new-{n}")
+        if edit.created_without:
+            del doc["spec"][edit.field.removeprefix("spec.")]
+        doc["spec"] = _merge(doc["spec"], edit.patch)
+        _create(custom, namespace, doc)
+        job_from_manifest(doc, source=edit.id)
+
+
+@pytest.mark.parametrize("key", list(MUTABLE))
+def test_mutable_field_edit_is_accepted(custom, namespace, key):
+    created = _create(custom, namespace, running_job("live"))["spec"]
+    patched = _patch(custom, namespace, "live", {"spec": MUTABLE[key]})["spec"]
+    expected = _merge(created, MUTABLE[key])
+    expected.setdefault("preemptionPolicy", "Switch")          # removed: the default again
+    assert patched == expected
+
+
+def test_a_job_created_without_global_batch_keeps_the_default(custom, namespace):
+    doc = base_job("nobatch")
+    del doc["spec"]["globalBatchSize"]
+    assert _create(custom, namespace, doc)["spec"]["globalBatchSize"] == 8
+    # Writing down the value it already has is no edit.
+    assert _patch(custom, namespace, "nobatch",
+                  {"spec": {"globalBatchSize": 8}})["spec"]["globalBatchSize"] == 8
+    with pytest.raises(ApiException) as err:
+        _patch(custom, namespace, "nobatch", {"spec": {"globalBatchSize": 64}})
+    message, fields = _invalid(err.value)
+    assert "spec.globalBatchSize" in fields and "immutable" in message, message
+
+
+def test_status_and_metadata_updates_pass_the_transition_rules(custom, namespace):
+    # What kopf and the operator write to a running job: finalizers, annotations, labels (a
+    # metadata patch), the status subresource, and a whole-object PUT of what was read. None
+    # changes the spec, so no immutability rule may refuse it.
+    doc = running_job("busy")
+    doc["spec"]["parallelism"] = {"mode": "fixed", "layout": "dp=2,tp=2,pp=2"}
+    _create(custom, namespace, doc)
+    meta = _patch(custom, namespace, "busy", {"metadata": {
+        "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"],
+        "annotations": {"kopf.zalando.org/last-handled-configuration": "{}"},
+        "labels": {"team": "ml"}}})
+    assert meta["metadata"]["finalizers"] == ["kopf.zalando.org/KopfFinalizerMarker"]
+    status = custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, "busy",
+        {"status": {"phase": "Running", "layout": "dp=2,tp=2,pp=2", "workers": 8}},
+        _content_type="application/merge-patch+json")
+    assert status["status"]["phase"] == "Running"
+    obj = _get(custom, namespace, "busy")
+    obj["metadata"]["annotations"]["dynatrain.io/note"] = "put"
+    custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "busy", obj)
+    obj = _get(custom, namespace, "busy")
+    custom.replace_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, "busy", obj)
+    _patch(custom, namespace, "busy", {"metadata": {"finalizers": None}})
+    final = _get(custom, namespace, "busy")
+    assert final["metadata"]["annotations"]["dynatrain.io/note"] == "put"
+    assert final["spec"]["parallelism"]["layout"] == "dp=2,tp=2,pp=2"
+    assert final["metadata"]["generation"] == 1       # the spec never changed
+
+
+def test_global_batch_default_reaches_objects_stored_before_it(devcluster, namespace):
+    """The immutability rule for globalBatchSize relies on oldSelf having it. An object stored
+    before the schema had the default has none in etcd; the apiserver applies defaults when it
+    reads an object from storage, so oldSelf has 8 there too. Checked on a copy of the CRD
+    under another group (an upgrade, without touching the CRD the other tests use)."""
+    group = "legacy.dynatrain.test"
+    ext = client.ApiextensionsV1Api(devcluster.api_client())
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    crd["metadata"]["name"] = f"{PLURAL}.{group}"
+    crd["spec"]["group"] = group
+    for key in ("shortNames", "categories"):
+        crd["spec"]["names"].pop(key)
+    spec_props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]
+    assert spec_props["globalBatchSize"].pop("default") == 8
+    ext.create_custom_resource_definition(body=crd)
+    try:
+        def served():
+            try:
+                custom.list_namespaced_custom_object(group, VERSION, namespace, PLURAL)
+                return True
+            except ApiException:
+                return False
+        wait_until(f"CRD {PLURAL}.{group} served", served, timeout=datetime.timedelta(seconds=30))
+        doc = base_job("old")
+        doc["apiVersion"] = f"{group}/{VERSION}"
+        del doc["spec"]["globalBatchSize"]
+        custom.create_namespaced_custom_object(group, VERSION, namespace, PLURAL, doc)
+        assert "globalBatchSize" not in custom.get_namespaced_custom_object(
+            group, VERSION, namespace, PLURAL, "old")["spec"]
+
+        # The upgrade: the schema gains the default.
+        current = ext.read_custom_resource_definition(name=f"{PLURAL}.{group}")
+        crd["metadata"]["resourceVersion"] = current.metadata.resource_version
+        spec_props["globalBatchSize"]["default"] = 8
+        ext.replace_custom_resource_definition(name=f"{PLURAL}.{group}", body=crd)
+        wait_until("the stored object read with the default", lambda: (
+            custom.get_namespaced_custom_object(group, VERSION, namespace, PLURAL, "old")
+            ["spec"].get("globalBatchSize") == 8), timeout=datetime.timedelta(seconds=30))
+
+        def patch(body):
+            return custom.patch_namespaced_custom_object(
+                group, VERSION, namespace, PLURAL, "old", body,
+                _content_type="application/merge-patch+json")
         with pytest.raises(ApiException) as err:
-            patch(spec)
+            patch({"spec": {"globalBatchSize": 64}})
         message, fields = _invalid(err.value)
-        assert field in fields and "immutable" in message, message
-    # Everything elastic stays editable.
-    patched = patch({"elastic": {"maxWorkers": 16}, "preemptionPolicy": "Ignore"})
-    assert patched["spec"]["elastic"]["maxWorkers"] == 16
+        assert "spec.globalBatchSize" in fields and "immutable" in message, message
+        # Edits that leave it alone still pass.
+        assert patch({"spec": {"elastic": {"workers": 6}}})["spec"]["elastic"]["workers"] == 6
+        patch({"metadata": {"annotations": {"a": "b"}}})
+    finally:
+        ext.delete_custom_resource_definition(name=f"{PLURAL}.{group}")
+
+
+def test_every_reserved_checkpoint_directory_is_refused_by_both(custom, namespace):
+    # Each directory of the list, itself, with a trailing slash and below it, is refused by
+    # the apiserver and the parser alike; a name that only starts like one is accepted by both.
+    from dynatrain.controller.job import OPERATOR_MOUNTS, SYSTEM_DIRS
+
+    reserved = [*OPERATOR_MOUNTS, *SYSTEM_DIRS]
+    for n, d in enumerate(["/", *reserved]):
+        for path in {d, d.rstrip("/") + "/", d.rstrip("/") + "/sub/dir"} - {"/sub/dir"}:
+            doc = base_job(f"ckpt-{n}")
+            doc["spec"]["checkpoint"]["path"] = path
+            with pytest.raises(ApiException) as err:
+                _create(custom, namespace, doc)
+            message, fields = _invalid(err.value)
+            assert "spec.checkpoint.path" in fields and f'"{path}"' in message, message
+            with pytest.raises(JobError, match="spec.checkpoint.path"):
+                job_from_manifest(doc)
+        if d != "/" and not any(d.startswith(r + "/") for r in reserved):
+            doc = base_job(f"ckpt-{n}")
+            doc["spec"]["checkpoint"]["path"] = d + "x"
+            _create(custom, namespace, doc)
+            job_from_manifest(doc)
 
 
 def _table(text: str) -> list[dict[str, str]]:
@@ -382,15 +696,37 @@ def test_parser_accepts_every_valid_manifest(key):
 
 @pytest.mark.parametrize("case", [c for c in INVALID if c.parser_rejects], ids=lambda c: c.id)
 def test_parser_rejects_what_it_checks(case):
-    with pytest.raises(JobError):
+    with pytest.raises(JobError) as err:
         job_from_manifest(case.manifest(), source=case.id)
+    # The same field as the apiserver names (a list item's index aside: the parser names the
+    # list and its value).
+    field = re.sub(r"\[\d+\]$", "", case.field)
+    assert field in str(err.value), f"{field!r} not named in: {err.value}"
+
+
+def test_reserved_ports_and_paths_match_the_operator():
+    # The port and the mounts the CRD and the parser keep free are the worker pod's.
+    from dynatrain.controller import job
+    from dynatrain.operator import cluster
+
+    assert job.WORKER_METRICS_PORT == cluster.METRICS_PORT
+    for path in (cluster.JOB_FILE, cluster.TOKEN_FILE):
+        assert any(path.startswith(m + "/") for m in job.OPERATOR_MOUNTS), path
+    spec = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]["properties"]["spec"]["properties"]
+    path_rule = spec["checkpoint"]["properties"]["path"]["x-kubernetes-validations"][1]["rule"]
+    # self != '/' && ![<the directories>].exists(s, self == s || self.startsWith(s + '/'))
+    dirs = re.findall(r"'(/[^']*)'", path_rule)
+    assert dirs == ["/", *job.OPERATOR_MOUNTS, *job.SYSTEM_DIRS, "/"], dirs
+    port_rule = spec["agent"]["properties"]["port"]["x-kubernetes-validations"][0]["rule"]
+    assert port_rule == f"self >= {job.MIN_AGENT_PORT} && self != {cluster.METRICS_PORT}"
 
 
 @pytest.mark.parametrize("case", [c for c in INVALID if not c.parser_rejects],
                          ids=lambda c: c.id)
 def test_parser_ignores_cluster_only_fields(case):
-    # These fields matter only on a cluster (quantities, Secret and claim names, checkpoint):
-    # the apiserver is the one to refuse them (the parser checks the limits: the solver uses
-    # them). Documented here so that a parser change
-    # that starts checking one of them flips the flag above rather than going unnoticed.
+    # These fields matter only on a cluster (quantities, Secret and claim names, the checkpoint
+    # claim, the job name): the apiserver is the one to refuse them (the parser checks the
+    # limits, which the solver uses, and the checkpoint path). Documented here so that a parser
+    # change that starts checking one of them flips the flag above rather than going unnoticed.
     job_from_manifest(case.manifest(), source=case.id)
