@@ -7,9 +7,16 @@ node, with the deadline by which it will be gone).
 
 Writing: the manifests of a job's worker pods, its headless Service, the ConfigMap that carries
 the job manifest to the workers, and the Secret with the agents' token when the job names none.
-Worker pods are owned by the job (owner references), named ``<job>-worker-<device>`` and
-labelled ``dynatrain.io/job`` and ``dynatrain.io/device``; device ids are never reused within a
-job, so a device id names one process for the job's whole life.
+Worker pods are owned by the job (owner references), named ``<job>-worker-<device>`` (or
+``<job>-w<device>`` where that would pass the 63 characters of a DNS label) and labelled
+``dynatrain.io/job`` and ``dynatrain.io/device``; device ids are never reused within a job, so
+a device id names one process for the job's whole life. Every object is owned through the job's
+UID: an object of a deleted job of the same name is recognised as another job's, never adopted.
+
+Health: a worker pod that failed, exited, or whose container cannot start (crash loop, image
+pull back-off, bad config) is *unhealthy*; the runtime replaces it. Capacity: GPU jobs count
+free ``nvidia.com/gpu``; CPU jobs count free CPU and memory (allocatable minus every pod's
+requests), so a CPU job cannot flood a cluster with pods.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import datetime
 from dataclasses import dataclass
 
 import yaml
+from kubernetes.utils import parse_quantity
 
 GPU = "nvidia.com/gpu"
 JOB_LABEL = "dynatrain.io/job"
@@ -34,6 +42,14 @@ DOOM_TAINTS = (
     "node.kubernetes.io/unschedulable",               # cordon (also spec.unschedulable)
 )
 """Taint keys that mean a node will go away soon: workers on it must be switched off."""
+UNHEALTHY_WAITING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                     "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+"""Container waiting reasons that do not resolve by waiting: the pod is replaced."""
+DNS_LABEL_MAX = 63
+DEFAULT_WORKER_CPU = "1"
+DEFAULT_WORKER_MEMORY = "4Gi"
+"""Requests and limits of a worker whose job sets no ``spec.resources.cpu`` / ``memory``
+(the operator's ``--worker-cpu`` / ``--worker-memory`` override them)."""
 DEFAULT_NOTICE_S = 30.0
 """Time assumed left when a signal carries no deadline (a taint, a cordon)."""
 
@@ -46,6 +62,10 @@ class NodeInfo:
     ready: bool
     doomed: bool
     why: str = ""
+    cpu: float = 0.0
+    """Allocatable CPU cores."""
+    memory: int = 0
+    """Allocatable memory, bytes."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,9 @@ class WorkerPod:
     """Seconds until it is gone (when doomed)."""
     why: str = ""
     gpus: int = 0
+    unhealthy: str = ""
+    """Why the pod will never serve (failed, exited, cannot start its container); "" if
+    it may still."""
 
 
 def read_node(node) -> NodeInfo:
@@ -69,8 +92,11 @@ def read_node(node) -> NodeInfo:
         doom.append("cordoned")
     ready = any(c.type == "Ready" and c.status == "True"
                 for c in (node.status.conditions or []))
-    gpus = int((node.status.allocatable or {}).get(GPU, "0"))
-    return NodeInfo(node.metadata.name, gpus, ready, bool(doom), ", ".join(doom))
+    alloc = node.status.allocatable or {}
+    gpus = int(alloc.get(GPU, "0"))
+    return NodeInfo(node.metadata.name, gpus, ready, bool(doom), ", ".join(doom),
+                    cpu=float(parse_quantity(alloc.get("cpu", "0"))),
+                    memory=int(parse_quantity(alloc.get("memory", "0"))))
 
 
 def pod_gpus(pod) -> int:
@@ -79,6 +105,58 @@ def pod_gpus(pod) -> int:
         limits = (c.resources.limits or {}) if c.resources else {}
         total += int(limits.get(GPU, "0"))
     return total
+
+
+def pod_requests(pod) -> tuple[float, int]:
+    """CPU cores and memory bytes the pod's containers request (what the scheduler counts)."""
+    cpu, memory = 0.0, 0
+    for c in pod.spec.containers:
+        req = (c.resources.requests or {}) if c.resources else {}
+        cpu += float(parse_quantity(req.get("cpu", "0")))
+        memory += int(parse_quantity(req.get("memory", "0")))
+    return cpu, memory
+
+
+def unhealthy_reason(pod) -> str:
+    """Why a worker pod will never serve, or "": it failed or exited (workers run until the
+    job ends, and their restartPolicy is Never), or a container waits for a reason that
+    waiting does not cure (a crash loop, an image that cannot be pulled, a bad config)."""
+    status = pod.status
+    if status is None:
+        return ""
+    if status.phase in ("Failed", "Succeeded"):
+        return f"pod {status.phase}" + (f" ({status.reason})" if status.reason else "")
+    for c in status.container_statuses or []:
+        waiting = c.state.waiting if c.state else None
+        if waiting is not None and waiting.reason in UNHEALTHY_WAITING:
+            return f"container {c.name}: {waiting.reason}" + (
+                f": {waiting.message}" if waiting.message else "")
+        term = c.state.terminated if c.state else None
+        if term is not None and pod.spec.restart_policy == "Never":
+            return f"container {c.name} exited with code {term.exit_code}"
+    return ""
+
+
+def owned_by(obj, uid: str) -> bool:
+    """Whether ``obj`` (a client model object) is controlled by the job with this UID."""
+    return any(r.uid == uid and r.controller for r in obj.metadata.owner_references or [])
+
+
+def foreign_owner(obj, uid: str) -> str:
+    """"" if ``obj`` belongs to the job with this UID; else who owns it, in words."""
+    refs = obj.metadata.owner_references or []
+    if any(r.uid == uid for r in refs):
+        return ""
+    for r in refs:
+        if r.kind == "DynaTrainJob":
+            return f"a previous DynaTrainJob {r.name} (uid {r.uid})"
+    return ", ".join(f"{r.kind} {r.name}" for r in refs) or "nobody (created by hand)"
+
+
+def device_of(pod) -> int | None:
+    """The pod's device id from its label, or None when it has none or not a number."""
+    value = (pod.metadata.labels or {}).get(DEVICE_LABEL, "")
+    return int(value) if value.isdigit() else None
 
 
 def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None = None
@@ -93,6 +171,7 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
         if c.type == "DisruptionTarget" and c.status == "True":
             doomed, why = True, why or f"DisruptionTarget ({c.reason})"
     node = nodes.get(pod.spec.node_name) if pod.spec.node_name else None
+    unhealthy = unhealthy_reason(pod)
     if node is not None and node.doomed:
         doomed, why = True, why or f"node {node.name}: {node.why}"
     if pod.spec.node_name and pod.spec.node_name not in nodes:
@@ -100,21 +179,73 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
     return WorkerPod(meta.name, int(meta.labels[DEVICE_LABEL]), pod.spec.node_name,
                      pod.status.pod_ip if pod.status else None,
                      (pod.status.phase if pod.status else None) or "Pending", doomed, deadline,
-                     why, pod_gpus(pod))
+                     why, pod_gpus(pod), unhealthy)
 
 
-def free_slots(nodes: dict[str, NodeInfo], all_pods, gpus_per_worker: int) -> int:
-    """Workers that could still be placed on healthy nodes (GPU requests of every pod on a
-    node count against it)."""
-    if gpus_per_worker <= 0:
-        return 1 << 20
-    used: dict[str, int] = {}
+@dataclass(frozen=True)
+class WorkerShape:
+    """What one worker pod takes from a node."""
+
+    gpus: int
+    cpu: float
+    memory: int
+
+    @classmethod
+    def of(cls, spec: dict, defaults: tuple[str, str] = (DEFAULT_WORKER_CPU,
+                                                         DEFAULT_WORKER_MEMORY)):
+        cpu, memory = worker_resources(spec, defaults)
+        return cls(int(spec.get("resources", {}).get("gpus") or 0),
+                   float(parse_quantity(cpu)), int(parse_quantity(memory)))
+
+
+def worker_resources(spec: dict, defaults: tuple[str, str]) -> tuple[str, str]:
+    res = spec.get("resources", {})
+    return (str(res.get("cpu") or defaults[0]), str(res.get("memory") or defaults[1]))
+
+
+def free_slots(nodes: dict[str, NodeInfo], all_pods, shape: WorkerShape) -> int:
+    """Workers that could still be placed on healthy nodes: each node's allocatable GPUs,
+    CPU and memory minus the requests of every pod on it, divided by one worker's."""
+    used: dict[str, list] = {}
     for p in all_pods:
         if p.spec.node_name and (p.status is None or p.status.phase not in ("Succeeded",
                                                                              "Failed")):
-            used[p.spec.node_name] = used.get(p.spec.node_name, 0) + pod_gpus(p)
-    return sum(max(0, n.gpus - used.get(n.name, 0)) // gpus_per_worker
-               for n in nodes.values() if n.ready and not n.doomed)
+            u = used.setdefault(p.spec.node_name, [0, 0.0, 0])
+            cpu, memory = pod_requests(p)
+            u[0] += pod_gpus(p)
+            u[1] += cpu
+            u[2] += memory
+    total = 0
+    for n in nodes.values():
+        if not n.ready or n.doomed:
+            continue
+        g, c, m = used.get(n.name, (0, 0.0, 0))
+        fits = []
+        if shape.gpus > 0:
+            fits.append(max(0, n.gpus - g) // shape.gpus)
+        if shape.cpu > 0:
+            fits.append(int(max(0.0, n.cpu - c) / shape.cpu + 1e-9))
+        if shape.memory > 0:
+            fits.append(max(0, n.memory - m) // shape.memory)
+        total += min(fits) if fits else 0
+    return total
+
+
+def no_node_fits(nodes: dict[str, NodeInfo], shape: WorkerShape) -> str:
+    """"" if some Ready node could ever hold one worker (empty); else which resource no node
+    has enough of, naming the field to change."""
+    ready = [n for n in nodes.values() if n.ready]
+    if not ready:
+        return "no node is Ready"
+    for field, need, have, unit in (
+            ("spec.resources.gpus", shape.gpus, lambda n: n.gpus, GPU),
+            ("spec.resources.cpu", shape.cpu, lambda n: n.cpu, "CPU"),
+            ("spec.resources.memory", shape.memory, lambda n: n.memory, "bytes of memory")):
+        if need and not any(have(n) >= need for n in ready):
+            best = max(ready, key=have)
+            return (f"{field}: a worker needs {need:g} {unit} but no Ready node has that "
+                    f"many allocatable (the largest, {best.name}, has {have(best):g})")
+    return ""
 
 
 def owner_reference(body) -> dict:
@@ -126,6 +257,13 @@ def owner_reference(body) -> dict:
 def names(job: str) -> dict[str, str]:
     return {"service": f"{job}-workers", "configmap": f"{job}-spec",
             "secret": f"{job}-agent-token"}
+
+
+def pod_name(job: str, device: int) -> str:
+    """``<job>-worker-<device>``; ``<job>-w<device>`` where that would not be a DNS label
+    (the CRD keeps job names to 52 characters, so device ids up to 10^9 fit)."""
+    name = f"{job}-worker-{device}"
+    return name if len(name) <= DNS_LABEL_MAX else f"{job}-w{device}"
 
 
 def spec_configmap(body) -> dict:
@@ -157,16 +295,18 @@ def headless_service(body, agent_port: int) -> dict:
                                {"name": "metrics", "port": METRICS_PORT}]}}
 
 
-def worker_pod(body, device: int, *, secret: str, agent_port: int) -> dict:
+def worker_pod(body, device: int, *, secret: str, agent_port: int,
+               defaults: tuple[str, str] = (DEFAULT_WORKER_CPU, DEFAULT_WORKER_MEMORY)) -> dict:
+    """A worker pod; requests equal limits (a Guaranteed pod: what a quota can count, and
+    the node's other tenants are safe from it)."""
     n = body["metadata"]["name"]
     spec = body["spec"]
     res = spec.get("resources", {})
-    limits, requests = {}, {}
+    cpu, memory = worker_resources(spec, defaults)
+    requests = {"cpu": cpu, "memory": memory}
+    limits = dict(requests)
     if res.get("gpus"):
-        limits[GPU] = str(res["gpus"])
-    for key in ("cpu", "memory"):
-        if res.get(key) is not None:
-            requests[key] = str(res[key])
+        limits[GPU] = requests[GPU] = str(res["gpus"])
     args = ["--job", JOB_FILE, "--device", str(device), "--host", "$(POD_IP)",
             "--agent-port", str(agent_port), "--metrics-port", str(METRICS_PORT),
             "--token-file", TOKEN_FILE, *spec.get("args", [])]
@@ -182,7 +322,7 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int) -> dict:
             "claimName": spec["checkpoint"]["claimName"]}})
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": f"{n}-worker-{device}",
+        "metadata": {"name": pod_name(n, device),
                      "labels": {JOB_LABEL: n, DEVICE_LABEL: str(device),
                                 "app.kubernetes.io/name": "dynatrain-worker",
                                 "app.kubernetes.io/managed-by": "dynatrain-operator"},
@@ -190,7 +330,7 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int) -> dict:
         "spec": {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 30,
-            "hostname": f"{n}-worker-{device}", "subdomain": names(n)["service"],
+            "hostname": pod_name(n, device), "subdomain": names(n)["service"],
             "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
             "containers": [{
                 "name": "worker", "image": spec["image"],

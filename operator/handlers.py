@@ -1,11 +1,16 @@
-"""The kopf handlers: one daemon per DynaTrainJob runs its :class:`~.runtime.JobRuntime`.
+"""The kopf handlers: one daemon per DynaTrainJob reconciles it with its :class:`~.runtime.JobRuntime`.
 
 kopf gives us the watch of DynaTrainJob objects, a daemon thread per job (started on create
 and on operator start for jobs that exist: that is how a restarted operator takes over),
 peering (only one operator of a peering group acts at a time: HA by standby replicas), and
-the liveness endpoint. Everything the job does happens in the daemon's tick loop. Deleting a
-job stops its daemon; its pods, Service, ConfigMap and Secret carry owner references to it, so
-the cluster's garbage collector removes them (the operator deletes nothing itself).
+the liveness endpoint. The daemon never gives up on its job: every pass's error is a status
+condition and a retry with back-off (the runtime's), and it returns only when the job is over
+(Succeeded or Failed) or deleted. Deleting a job stops its daemon; its pods, Service, ConfigMap
+and Secret carry owner references to it, so the cluster's garbage collector removes them.
+
+All jobs share one :class:`~.informer.ClusterView` (one watch of nodes and one of pods for the
+whole operator), so a pass reads memory, not the apiserver; a change to a job's pods or to a
+node wakes that job's pass early.
 """
 
 from __future__ import annotations
@@ -13,21 +18,30 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import kopf
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
 
 from dynatrain.agent.metrics import REASONS, Metrics
-from dynatrain.controller.core import JobFailed
-from dynatrain.controller.job import JobError
 
 from . import cluster as k
-from .runtime import GROUP, PLURAL, VERSION, JobRuntime
+from .informer import ClusterView
+from .runtime import GROUP, PLURAL, VERSION, JobRuntime, Settings
+from .telemetry import CountingApiClient, OperatorMetrics
 
-TICK_S = float(os.environ.get("DYNATRAIN_OPERATOR_TICK_S", "0.5"))
-_state = {"metrics": None, "api": None}
-_lock = threading.Lock()
+_state = {"metrics": None, "api": None, "view": None, "operator_metrics": None}
+_lock = threading.RLock()
+USER_AGENT = "dynatrain-operator"
+
+
+def settings() -> Settings:
+    """From the environment ``dynatrain operator`` sets from its flags."""
+    env = os.environ.get
+    return Settings(tick_s=float(env("DYNATRAIN_OPERATOR_TICK_S", "0.5")),
+                    max_pods_per_job=int(env("DYNATRAIN_MAX_PODS_PER_JOB", "256")),
+                    worker_cpu=env("DYNATRAIN_WORKER_CPU", k.DEFAULT_WORKER_CPU),
+                    worker_memory=env("DYNATRAIN_WORKER_MEMORY", k.DEFAULT_WORKER_MEMORY))
 
 
 def _api() -> client.ApiClient:
@@ -37,8 +51,27 @@ def _api() -> client.ApiClient:
                 config.load_incluster_config()
             else:   # read the path now: the client library fixed its default at import
                 config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-            _state["api"] = client.ApiClient()
+            api = CountingApiClient(metrics=_operator_metrics())
+            api.user_agent = USER_AGENT        # tells its requests apart in audit logs
+            _state["api"] = api
         return _state["api"]
+
+
+def _view() -> ClusterView:
+    with _lock:
+        if _state["view"] is None:
+            view = ClusterView(_api(), log=logging.getLogger("dynatrain.informer").info)
+            view.start()
+            _state["view"] = view
+    _state["view"].wait_synced(60)
+    return _state["view"]
+
+
+def _operator_metrics() -> OperatorMetrics:
+    with _lock:
+        if _state["operator_metrics"] is None:
+            _state["operator_metrics"] = OperatorMetrics(_metrics().registry)
+        return _state["operator_metrics"]
 
 
 def _metrics() -> Metrics:
@@ -67,39 +100,41 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     _metrics()
 
 
+@kopf.on.cleanup()
+def stop_view(**_) -> None:
+    view = _state["view"]
+    if view is not None:
+        view.stop()
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15, initial_delay=0)
 def run_job(body, name, namespace, stopped, logger, **_) -> None:
-    def log(text: str) -> None:
-        logger.info(text)
-
-    try:
-        runtime = JobRuntime(dict(body), api=_api(),
-                             rendezvous_host=os.environ.get("DYNATRAIN_RENDEZVOUS_HOST")
-                             or os.environ.get("POD_IP") or "127.0.0.1",
-                             metrics=_metrics(), log=log)
-        runtime.ensure_objects()
-    except JobError as e:
-        logger.error(f"job {namespace}/{name} cannot run: {e}")
-        _patch_failed(namespace, name, str(e))
-        return
+    view = _view()
+    config = settings()
+    runtime = JobRuntime(dict(body), api=_api(), view=view,
+                         rendezvous_host=os.environ.get("DYNATRAIN_RENDEZVOUS_HOST")
+                         or os.environ.get("POD_IP") or "127.0.0.1",
+                         metrics=_metrics(), log=logger.info, settings=config)
+    since = 0
+    reconcile_seconds = _operator_metrics().reconcile
     try:
         while not stopped:
-            runtime.update(dict(body))
-            try:
-                runtime.tick()
-            except JobFailed:
-                logger.error(f"job {namespace}/{name} failed; see its status and events")
+            with reconcile_seconds.time():
+                delay = runtime.reconcile(dict(body))
+            if delay is None:
+                logger.info(f"job {namespace}/{name} is {runtime.phase}; its daemon ends")
                 return
-            except ApiException as e:
-                logger.warning(f"API error, retrying: {e.status} {e.reason}")
-            stopped.wait(TICK_S)
+            # Wait out the delay: a back-off in steps of a tick (an edited spec cuts it
+            # short), a tick woken early by a change to the job's pods or to a node.
+            deadline = time.monotonic() + delay
+            while not stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                changed = view.wait_for_change(namespace, name, since,
+                                               min(left, config.tick_s))
+                woke, since = changed != since, changed
+                if (woke and delay <= config.tick_s) or body.get("spec") != runtime.seen_spec:
+                    break
     finally:
         runtime.close()
-
-
-def _patch_failed(namespace: str, name: str, message: str) -> None:
-    api = client.CustomObjectsApi(_api())
-    api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {
-        "status": {"phase": "Failed", "conditions": [{
-            "type": "Failed", "status": "True", "reason": "InvalidSpec",
-            "message": message[:1000]}]}})

@@ -31,12 +31,36 @@ def register(sub) -> None:
     p.add_argument("--priority", type=int, default=0, help="peering priority")
     p.add_argument("--peering-lifetime", type=int, default=60,
                    help="seconds a silent replica counts as alive (default 60)")
+    p.add_argument("--max-pods-per-job", type=int, default=256, metavar="N",
+                   help="no job gets more worker pods than N, whatever its maxWorkers "
+                   "(default 256)")
+    p.add_argument("--worker-cpu", default="1", metavar="QUANTITY",
+                   help="CPU request and limit of workers whose job sets no "
+                   "spec.resources.cpu (default 1)")
+    p.add_argument("--worker-memory", default="4Gi", metavar="QUANTITY",
+                   help="memory request and limit of workers whose job sets no "
+                   "spec.resources.memory (default 4Gi)")
     p.set_defaults(func=run_operator)
 
 
 def run_operator(args) -> int:
     import kopf
+    from kubernetes.utils import parse_quantity
 
+    if args.max_pods_per_job < 1:
+        raise SystemExit(f"dynatrain operator: --max-pods-per-job={args.max_pods_per_job} "
+                         "must be at least 1")
+    for flag, value in (("--worker-cpu", args.worker_cpu),
+                        ("--worker-memory", args.worker_memory)):
+        try:
+            if parse_quantity(value) <= 0:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"dynatrain operator: {flag}={value!r} is not a positive "
+                             "Kubernetes quantity (e.g. 500m or 2 for CPU, 4Gi for memory)")
+    os.environ["DYNATRAIN_MAX_PODS_PER_JOB"] = str(args.max_pods_per_job)
+    os.environ["DYNATRAIN_WORKER_CPU"] = args.worker_cpu
+    os.environ["DYNATRAIN_WORKER_MEMORY"] = args.worker_memory
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
     os.environ["DYNATRAIN_METRICS_PORT"] = str(args.metrics_port)

@@ -90,6 +90,7 @@ CONTROLLERS = (
     "serviceaccount-token-controller",     # legacy token Secrets; the controllers' own tokens
     "persistentvolume-binder-controller",  # binds claims to the volumes the pod runner makes
     "root-ca-certificate-publisher-controller",  # kube-root-ca.crt, for real pods' SA volume
+    "resourcequota-controller",            # a quota's usage, which quota admission needs
 )
 """The kube-controller-manager controllers the dev cluster runs. Workload controllers
 (Deployment, ReplicaSet, Job...) are left out: nothing the tests or the operator's jobs create

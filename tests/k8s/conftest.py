@@ -109,3 +109,32 @@ def namespace(devcluster, core):
 @pytest.fixture
 def timeout():
     return datetime.timedelta(seconds=30)
+
+
+@pytest.fixture
+def operator(devcluster, kubectl, namespace, tmp_path):
+    """The CRDs applied, `dynatrain operator` running for ``namespace`` (peering, as in a
+    cluster) and a pod runner that runs the job's worker pods as local processes."""
+    import yaml
+
+    from dynatrain.devcluster.pods import PodRunner
+    from operator_process import ROOT, Operator
+
+    kubectl("apply", "--server-side", "--force-conflicts", "-f",
+            str(ROOT / "crds" / "dynatrainjob.yaml"), "-f", str(ROOT / "crds" / "kopf-peering.yaml"))
+    kubectl("wait", "--for=condition=Established", "--timeout=30s",
+            "crd/dynatrainjobs.dynatrain.io", "crd/kopfpeerings.kopf.dev")
+    peering = tmp_path / "peering.yaml"
+    peering.write_text(yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                                       "metadata": {"name": "dynatrain-test"}}))
+    kubectl("apply", "-n", namespace, "-f", str(peering))
+    op = Operator(devcluster, namespace, tmp_path)
+    pods = PodRunner(devcluster.core(), tmp_path / "pods", namespace=namespace,
+                     selector="dynatrain.io/job")
+    with pods:
+        op.start()
+        try:
+            yield op, pods
+        finally:
+            op.stop()
+            print(op.logs()[-8000:])

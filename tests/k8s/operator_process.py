@@ -86,3 +86,42 @@ class Operator:
             for s in fam.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
         return out
+
+
+GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job(name: str, **over) -> dict:
+    """A small gpt-tiny job (from examples/dynatrainjob.yaml) that trains until deleted."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "examples" / "dynatrainjob.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    spec = doc["spec"]
+    spec["model"] = {"preset": "gpt-tiny"}
+    spec["resources"] = {"gpus": over.get("gpus", 1)}
+    spec["elastic"] = {"minWorkers": 1, "maxWorkers": over.get("max_workers", 4)}
+    spec["parallelism"] = {"mode": "auto"}
+    spec["globalBatchSize"] = 12
+    spec["training"] = {"steps": 100000, "seqLen": 32, "learningRate": 0.0003}
+    spec.pop("checkpoint", None)
+    spec["agent"] = {"port": 50051}
+    return doc
+
+
+def get(custom, namespace, name) -> dict:
+    return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def events(core, namespace, name) -> list:
+    return [e for e in core.list_namespaced_event(namespace).items
+            if e.involved_object.name == name and e.involved_object.kind == "DynaTrainJob"]
+
+
+def condition(custom, namespace, name, kind) -> dict | None:
+    """The job's status condition of this type, if it has one."""
+    for c in get(custom, namespace, name).get("status", {}).get("conditions", []):
+        if c["type"] == kind:
+            return c
+    return None

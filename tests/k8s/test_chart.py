@@ -29,7 +29,8 @@ CHART = chart.CHART_DIR
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090",
-                 "--peering", "dynatrain"]
+                 "--peering", "dynatrain", "--max-pods-per-job", "256", "--worker-cpu", "1",
+                 "--worker-memory", "4Gi"]
 
 # (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
 EXPECTED_RULES = {
@@ -38,11 +39,12 @@ EXPECTED_RULES = {
     ("dynatrain.io", "dynatrainjobs/scale"): {"get", "patch"},
     ("dynatrain.io", "dynatrainjobs/finalizers"): {"update"},
     ("", "pods"): {"create", "delete", "get", "list", "watch", "patch"},
-    ("", "services"): {"create", "delete", "get", "list", "watch"},
+    # patch: kept matching the spec; delete: a previous job's of the same name is replaced
+    ("", "services"): {"create", "delete", "get", "list", "watch", "patch"},
     ("", "events"): {"create", "patch"},
     ("", "nodes"): {"get", "list", "watch"},
-    ("", "secrets"): {"get", "create"},       # create: the agents' token when none is named
-    ("", "configmaps"): {"get", "create"},    # the job manifest, mounted into the workers
+    ("", "secrets"): {"get", "create", "delete"},   # create: the agents' token when none is named
+    ("", "configmaps"): {"get", "create", "patch", "delete"},   # the job manifest, for workers
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
@@ -260,17 +262,19 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
                ("update", "dynatrainjobs.dynatrain.io", "finalizers"),
                ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
                ("create", "services"), ("get", "secrets"), ("create", "secrets"),
-               ("get", "configmaps"), ("create", "configmaps"), ("list", "nodes"),
+               ("get", "configmaps"), ("create", "configmaps"), ("patch", "configmaps"),
+               ("delete", "configmaps"), ("patch", "services"), ("delete", "secrets"),
+               ("list", "nodes"), ("list", "pods"),
                ("create", "events"), ("list", "namespaces"),
                ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
                ("patch", "clusterkopfpeerings.kopf.dev"), ("patch", "kopfpeerings.kopf.dev")]
     denied = [("delete", "dynatrainjobs.dynatrain.io"), ("create", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io", "status"),
-              ("list", "secrets"), ("watch", "secrets"), ("delete", "secrets"),
+              ("list", "secrets"), ("watch", "secrets"), ("update", "secrets"),
               ("create", "deployments.apps"), ("patch", "nodes"), ("delete", "nodes"),
               ("update", "pods"), ("create", "pods", "exec"), ("create", "pods", "eviction"),
-              ("patch", "services"), ("delete", "namespaces"), ("list", "configmaps"),
+              ("update", "services"), ("delete", "namespaces"), ("list", "configmaps"),
               ("create", "customresourcedefinitions.apiextensions.k8s.io"),
               ("create", "clusterroles.rbac.authorization.k8s.io"),
               ("create", "kopfpeerings.kopf.dev")]

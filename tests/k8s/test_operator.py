@@ -22,58 +22,11 @@ from kubernetes import client
 from dynatrain.devcluster import NodePool
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
-from dynatrain.devcluster.pods import PodRunner
-from operator_process import Operator, wait as _wait
+from operator_process import GROUP, PLURAL, VERSION, Operator, events as _events, \
+    get as _get, job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
-
-
-@pytest.fixture
-def operator(devcluster, kubectl, namespace, tmp_path):
-    kubectl("apply", "--server-side", "--force-conflicts", "-f",
-            str(ROOT / "crds" / "dynatrainjob.yaml"), "-f", str(ROOT / "crds" / "kopf-peering.yaml"))
-    kubectl("wait", "--for=condition=Established", "--timeout=30s",
-            "crd/dynatrainjobs.dynatrain.io", "crd/kopfpeerings.kopf.dev")
-    peering = tmp_path / "peering.yaml"
-    peering.write_text(yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
-                                       "metadata": {"name": "dynatrain-test"}}))
-    kubectl("apply", "-n", namespace, "-f", str(peering))
-    op = Operator(devcluster, namespace, tmp_path)
-    pods = PodRunner(devcluster.core(), tmp_path / "pods", namespace=namespace,
-                     selector="dynatrain.io/job")
-    with pods:
-        op.start()
-        try:
-            yield op, pods
-        finally:
-            op.stop()
-            print(op.logs()[-8000:])
-
-
-def _job(name: str, **over) -> dict:
-    doc = yaml.safe_load((ROOT / "examples" / "dynatrainjob.yaml").read_text())
-    doc["metadata"] = {"name": name}
-    spec = doc["spec"]
-    spec["model"] = {"preset": "gpt-tiny"}
-    spec["resources"] = {"gpus": over.get("gpus", 1)}
-    spec["elastic"] = {"minWorkers": 1, "maxWorkers": over.get("max_workers", 4)}
-    spec["parallelism"] = {"mode": "auto"}
-    spec["globalBatchSize"] = 12
-    spec["training"] = {"steps": 100000, "seqLen": 32, "learningRate": 0.0003}
-    spec.pop("checkpoint", None)
-    spec["agent"] = {"port": 50051}
-    return doc
-
-
-def _get(custom, namespace, name) -> dict:
-    return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-
-
-def _events(core, namespace, name) -> list:
-    return [e for e in core.list_namespaced_event(namespace).items
-            if e.involved_object.name == name and e.involved_object.kind == "DynaTrainJob"]
 
 
 def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_path):

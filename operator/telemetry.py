@@ -1,0 +1,43 @@
+"""The operator's own cost, as Prometheus metrics: apiserver requests and reconcile passes.
+
+An operator that a cluster admin can leave alone must be cheap for the apiserver whatever the
+number of jobs. These two metrics show it, next to the jobs' metrics on the operator's
+``/metrics`` endpoint:
+
+``dynatrain_operator_api_requests_total{verb}`` (counter)
+    Requests this operator's Kubernetes client sent (``GET``, ``POST``, ``PATCH``,
+    ``DELETE``...; a watch counts once, when it starts). kopf's own requests (its watch of
+    DynaTrainJobs, finalizers, peering) go through its own client and are not counted.
+``dynatrain_operator_reconcile_seconds`` (histogram)
+    Wall time of one reconcile pass of one job (a switch, when a pass makes one, included).
+"""
+
+from __future__ import annotations
+
+from kubernetes import client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.api_requests = Counter(
+            "dynatrain_operator_api_requests", "Requests the operator sent to the apiserver.",
+            ["verb"], registry=registry)
+        self.reconcile = Histogram(
+            "dynatrain_operator_reconcile_seconds", "Wall time of one job's reconcile pass.",
+            buckets=RECONCILE_BUCKETS, registry=registry)
+
+
+class CountingApiClient(client.ApiClient):
+    """A Kubernetes client that counts the requests it sends (by HTTP verb)."""
+
+    def __init__(self, *args, metrics: OperatorMetrics, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._metrics = metrics
+
+    def request(self, method, url, *args, **kwargs):
+        self._metrics.api_requests.labels(verb=method.upper()).inc()
+        return super().request(method, url, *args, **kwargs)
