@@ -33,6 +33,8 @@ from .telemetry import CountingApiClient, OperatorMetrics
 _state = {"metrics": None, "api": None, "view": None, "operator_metrics": None}
 _lock = threading.RLock()
 USER_AGENT = "dynatrain-operator"
+MAX_JOBS = int(os.environ.get("DYNATRAIN_MAX_JOBS", "1024"))
+"""Jobs one operator runs at once (one daemon thread each)."""
 
 
 def settings() -> Settings:
@@ -97,6 +99,10 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.peering.lifetime = int(os.environ.get("DYNATRAIN_PEERING_LIFETIME_S", "60"))
     settings.persistence.finalizer = "dynatrain.io/finalizer"
     settings.posting.level = logging.WARNING        # our own Events say what happened
+    # Each job's daemon holds one thread of kopf's executor for the job's whole life, and
+    # the executor's default size is min(32, cores + 4): on a 2-core node only 6 jobs ran,
+    # the others waited, silently, for one of those to end.
+    settings.execution.max_workers = MAX_JOBS
     _metrics()
 
 

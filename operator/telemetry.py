@@ -38,6 +38,7 @@ class CountingApiClient(client.ApiClient):
         super().__init__(*args, **kwargs)
         self._metrics = metrics
 
-    def request(self, method, url, *args, **kwargs):
+    def call_api(self, method, url, *args, **kwargs):
+        # Every typed call (CoreV1Api.list_node, a watch's list call ...) ends here.
         self._metrics.api_requests.labels(verb=method.upper()).inc()
-        return super().request(method, url, *args, **kwargs)
+        return super().call_api(method, url, *args, **kwargs)

@@ -39,11 +39,13 @@ class Operator:
     """`dynatrain operator` as a separate process, restartable."""
 
     def __init__(self, devcluster, namespace: str, workdir: Path, *,
-                 rendezvous_host: str = "127.0.0.1", standalone: bool = False):
+                 rendezvous_host: str = "127.0.0.1", standalone: bool = False,
+                 tick_s: float = 0.3):
         self.kubeconfig, self.namespace, self.workdir = devcluster.kubeconfig, namespace, workdir
         # Where the job's rendezvous store listens: an address its worker pods reach.
         self.rendezvous_host = rendezvous_host
         self.standalone = standalone
+        self.tick_s = tick_s
         self.metrics_port = free_port()
         self.proc = None
         self.starts = 0
@@ -58,7 +60,7 @@ class Operator:
              *(["--standalone"] if self.standalone else
                ["--peering", "dynatrain-test", "--peering-lifetime", "4"])],
             stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": "0.3",
+            env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": str(self.tick_s),
                  "DYNATRAIN_METRICS_ADDR": "127.0.0.1"})
 
     def kill(self) -> None:

@@ -96,6 +96,11 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
         done = {dict(k[1]).get("reason"): v for k, v in m.items()
                 if k[0] == "dynatrain_switches_total" and dict(k[1]).get("result") == "success"}
         assert done.get("preemption", 0) >= 1 and done.get("scale-up", 0) >= 1, done
+        # the operator's own cost: its requests counted by verb, its passes timed
+        verbs = {dict(k[1])["verb"]: v for k, v in m.items()
+                 if k[0] == "dynatrain_operator_api_requests_total"}
+        assert verbs.get("POST", 0) >= 4 and verbs.get("PATCH", 0) >= 1, verbs
+        assert m[("dynatrain_operator_reconcile_seconds_count", ())] > 10
     finally:
         untaint(core, node, SPOT_INTERRUPTION_TAINT)
         kubectl("delete", "dynatrainjob", "elastic", "-n", namespace, "--wait=false")
