@@ -58,6 +58,7 @@ bench: setup
 	$(BIN)/python benchmarks/redundancy_cost.py --model gpt-tiny --layout dp=2,zero=1 --steps 20
 	$(BIN)/dynatrain bench chaos --trials 10 --restart-trials 3
 	$(BIN)/python benchmarks/switch_speed.py
+	$(BIN)/python benchmarks/operator_scale.py --jobs 20 --seconds 60
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
