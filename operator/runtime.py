@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import datetime
 import secrets
 import time
@@ -164,7 +165,6 @@ class JobRuntime:
         self.token, self.secret_name = "", ""
         self.conditions = Conditions()
         self.phase = "Pending"
-        self.message = ""
         self.last_switch: dict | None = None
         self.published: dict | None = None
         self.published_at = 0.0
@@ -179,8 +179,8 @@ class JobRuntime:
         """Succeeded or Failed: nothing is left to do but to keep its pods deleted."""
         self.noticed: set[int] = set()
         self.left: set[int] = set()
-        self.expected: dict[str, tuple[int, float]] = {}
-        """Pods created and not yet seen by the watch: name -> (device, when)."""
+        self.expected: dict[str, float] = {}
+        """Pods created and not yet seen by the watch: name -> when."""
         self.deleting: dict[str, float] = {}
         """Pods this runtime deleted, until the watch sees them go."""
         self.warned: set[str] = set()
@@ -210,7 +210,7 @@ class JobRuntime:
             delay = None
         except _Waiting as e:
             delay = self.errors.fail()
-            self._trouble("Waiting", e.body, delay)
+            self._trouble("Waiting", str(e), delay)
         except JobError as e:          # e.g. the named authSecret has no token
             delay = self.errors.fail()
             self._trouble("InvalidSpec", str(e), delay)
@@ -447,7 +447,7 @@ class JobRuntime:
             if name in self.deleting:
                 continue
             workers[device] = k.read_worker(p, nodes)
-        for name, (_, when) in list(self.expected.items()):
+        for name, when in list(self.expected.items()):
             if name in seen or now - when > 60:
                 del self.expected[name]
         for name, when in list(self.deleting.items()):
@@ -497,8 +497,7 @@ class JobRuntime:
         want = min(target, s.max_pods_per_job)
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
         pending = [w for w in alive if w.phase == "Pending" and not w.node]
-        expected = len(self.expected)
-        if pending or expected or len(alive) >= want:
+        if pending or self.expected or len(alive) >= want:
             return
         if self.replacing.waiting or self.creation.waiting:
             return
@@ -529,7 +528,7 @@ class JobRuntime:
                     self.next_device += 1
                 return
             self.next_device += 1
-            self.expected[pod["metadata"]["name"]] = (device, time.monotonic())
+            self.expected[pod["metadata"]["name"]] = time.monotonic()
             self.log(f"worker {device}: pod created")
         if count > 0 or not capped:
             self.creation.reset()
@@ -570,7 +569,7 @@ class JobRuntime:
     def _fail(self, message: str) -> None:
         self.log(f"job {self.name} failed: {message}")
         self.over = True
-        self.phase, self.message = "Failed", message
+        self.phase = "Failed"
         self.conditions.set("Failed", True, "JobFailed", message,
                             self._generation())
         self._event("Warning", "Failed", message)
@@ -658,19 +657,13 @@ class JobRuntime:
                 cl.close()
 
 
-class _Waiting(ApiException):
+class _Waiting(Exception):
     """The pass cannot go on until somebody acts (the condition says what); retried with
     back-off like an API error."""
-
-    def __init__(self, message: str):
-        super().__init__(status=0, reason="Waiting")
-        self.body = message
 
 
 def _api_message(e: ApiException) -> str:
     """The apiserver's message from an error's Status body, else its reason."""
-    import json
-
     try:
         return json.loads(e.body).get("message") or str(e.reason)
     except (TypeError, ValueError, AttributeError):
