@@ -128,10 +128,12 @@ class AgentClient:
         return self._call("Abort", lambda: agent_pb2.AbortRequest(
             generation=generation, reason=reason), self.timeout_s).aborted
 
-    def status(self, since_step: int = 0) -> agent_pb2.StatusResponse:
-        """The agent's state and its step records after ``since_step``."""
+    def status(self, since_step: int = 0, *,
+               timeout_s: float | None = None) -> agent_pb2.StatusResponse:
+        """The agent's state and its step records after ``since_step``; ``timeout_s``
+        overrides the client's deadline (the controller's watchdog asks with a short one)."""
         return self._call("Status", lambda: agent_pb2.StatusRequest(since_step=since_step),
-                          self.timeout_s)
+                          timeout_s or self.timeout_s)
 
     # -- health --------------------------------------------------------------------------------
 
@@ -146,9 +148,10 @@ class AgentClient:
                                  "Health/Check") from None
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    def health(self) -> bool:
-        """True if the agent answers SERVING; False if it is unreachable, slow or not serving."""
-        return self._check(self.timeout_s, wait_for_ready=False)
+    def health(self, timeout_s: float | None = None) -> bool:
+        """True if the agent answers SERVING; False if it is unreachable, slow or not serving
+        (within ``timeout_s``, default the client's deadline)."""
+        return self._check(timeout_s or self.timeout_s, wait_for_ready=False)
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Wait until the agent answers SERVING; AgentCallError(DEADLINE_EXCEEDED) after

@@ -41,6 +41,17 @@ STEP_RECORDS = 1000
 
 
 @dataclass
+class Previous:
+    """The generation before the running one, its redundancy kept after a planned switch
+    until the running generation can be restored on its own (``until``: a step counter)."""
+
+    generation: int
+    layout: Layout
+    redundancy: Redundancy
+    until: int
+
+
+@dataclass
 class Pending:
     """A prepared generation and, once it arrives, its Commit."""
 
@@ -87,6 +98,7 @@ class WorkerControl:
         self.left_read = threading.Event()
         self.tokens_per_second = 0.0
         self.redundancy: Redundancy | None = None
+        self.previous: Previous | None = None
         self.checkpoint_dir = checkpoint_dir or job.recovery.checkpoint_dir
         self.checkpoint: tuple[str, int] | None = None
         self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
@@ -145,7 +157,14 @@ class WorkerControl:
                 raise PreconditionFailed(f"device {self.device} holds no state and is not in "
                                          f"the new layout's devices {list(devices)}")
             mine = _describe(self.layout)
-            if self.layout is not None and not checkpoint and _describe(old_layout) != mine:
+            # A recovery may start from the generation before the running one (its
+            # snapshots are kept for a while), and a member that holds nothing of the world
+            # it starts from takes part as a joiner.
+            from_kept = recovery is not None and old_layout is not None and (
+                self._redundancy_for(old_layout) is not None
+                or self.device not in old_layout.device_of)
+            if self.layout is not None and not checkpoint and not from_kept \
+                    and _describe(old_layout) != mine:
                 raise PreconditionFailed(f"the switch starts from {_describe(old_layout)} but "
                                          f"device {self.device} runs {mine}")
             old = old_layout
@@ -187,7 +206,7 @@ class WorkerControl:
         """A recovery can only start from snapshots and mirrors this device really holds."""
         if old_layout is None or self.device not in old_layout.device_of:
             return                                    # holds nothing of the old world
-        r = self.redundancy
+        r = self._redundancy_for(old_layout)
         own, mirrors = r.holdings() if r is not None else ([], [])
         if recovery.restore_step not in own:
             raise PreconditionFailed(f"device {self.device} holds snapshots of steps {own}, "
@@ -197,6 +216,18 @@ class WorkerControl:
                 raise PreconditionFailed(
                     f"device {self.device} mirrors steps {mirrors} of device {dead}, not step "
                     f"{recovery.restore_step}")
+
+    def _redundancy_for(self, layout: Layout | None) -> Redundancy | None:
+        """The redundancy of the generation that ran ``layout`` (with its devices): the
+        running one's, or the kept previous one's; None if neither."""
+        if layout is None:
+            return None
+        if self.redundancy is not None and _describe(self.layout) == _describe(layout):
+            return self.redundancy
+        prev = self.previous
+        if prev is not None and _describe(prev.layout) == _describe(layout):
+            return prev.redundancy
+        return None
 
     def _drop_uncommitted(self) -> None:
         with self.lock:
@@ -277,6 +308,17 @@ class WorkerControl:
                     out.mirror_of = self.layout.device_of[r.source]
             if self.checkpoint is not None:
                 out.checkpoint, out.checkpoint_step = self.checkpoint
+            prev = self.previous
+            out.previous_mirror_of = -1
+            if prev is not None:
+                own, mirrors = prev.redundancy.holdings()
+                out.previous_generation = prev.generation
+                out.previous_layout = prev.layout.to_text()
+                out.previous_devices.extend(prev.layout.device_of)
+                out.previous_snapshot_steps.extend(own)
+                out.previous_mirror_steps.extend(mirrors)
+                if prev.redundancy.source is not None:
+                    out.previous_mirror_of = prev.layout.device_of[prev.redundancy.source]
             if self.state == State.LEFT:
                 self.left_read.set()
             return out

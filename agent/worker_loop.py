@@ -21,14 +21,14 @@ from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.redundancy import Redundancy
 from dynatrain.trainer.switch import switch
 from dynatrain.trainer.trainer import Trainer
-from dynatrain.vps import abandon
+from dynatrain.vps import abandon, faults
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.layout import bind
 from dynatrain.vps.transition import TransitionConfig
 
 from .server import SwitchAborted
 from .v1 import agent_pb2 as pb
-from .worker_control import Pending, State, WorkerControl
+from .worker_control import Pending, Previous, State, WorkerControl
 
 LINGER_SECONDS = 5.0
 
@@ -59,11 +59,18 @@ class Worker(WorkerControl):
             try:
                 result = self.trainer.train_step(
                     signal_value, self.redundancy.wait_mirror if self.redundancy else None)
-                self._after_step()
             except Exception as e:                   # a peer died, or we were told so
                 self._interrupt(e)
                 continue
+            # The step is trained: its record (with the samples this reader read) is published
+            # before its snapshot, so every step a snapshot holds has a record to account for.
             self._record(result)
+            try:
+                self._after_step()
+            except Exception as e:                   # the mirror exchange met a dead peer
+                self._interrupt(e)
+                continue
+            self._release_previous()
             with self.lock:
                 if self.trainer.step >= self.job.training.steps:
                     self.state = State.FINISHED
@@ -91,6 +98,17 @@ class Worker(WorkerControl):
                                     keep=self.job.recovery.checkpoint_keep)
             with self.lock:
                 self.checkpoint = (saved.path, t.step)
+
+    def _release_previous(self) -> None:
+        """Free the previous generation's snapshots once the running generation can be
+        restored on its own (two steps after the switch: its own snapshots and its mirrors
+        of a step are then whole everywhere)."""
+        prev = self.previous
+        if prev is None or (self.trainer is not None and self.trainer.step < prev.until):
+            return
+        with self.lock:
+            self.previous = None
+        prev.redundancy.close()
 
     def _interrupt(self, error: Exception) -> None:
         """The running generation failed under this device: drop the live trainer (its state
@@ -158,6 +176,7 @@ class Worker(WorkerControl):
                       flush=True)
             redundancy = None
             if trainer is not None:
+                faults.inject("switched", self.device)
                 # Own snapshots always (a failure rolls every survivor back to one step);
                 # mirrors to the buddy when the job asks for them.
                 redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
@@ -190,8 +209,11 @@ class Worker(WorkerControl):
         self.metrics.observe_switch(p.reason or "unknown", "success",
                                     {"prepare": prepared.seconds, "pause": pause,
                                      "transfer": phases.get("transfer", 0.0)}, sent)
+        restoring = p.recovery is not None or bool(p.checkpoint)
         with self.lock:
             old_redundancy, self.redundancy = self.redundancy, redundancy
+            old_previous, self.previous = self.previous, None
+            old_generation = self.generation
             self.trainer = trainer
             self.generation = p.generation
             self.pending = None
@@ -215,14 +237,22 @@ class Worker(WorkerControl):
                 self.metrics.set_layout(p.layout)
             self.metrics.set_generation(p.generation)
             self.wake.notify_all()
-        if old_redundancy is not None:
-            if p.recovery is not None or p.checkpoint:
+        for kept in [old_previous.redundancy if old_previous else None, old_redundancy]:
+            if kept is None:
+                continue
+            if restoring:
                 # The abandoned generation's mirror exchange may wait on a dead or stuck
                 # peer: closing it would hold this reply (and the new generation's first
                 # step, on every peer) for the old group's timeout.
-                self._graveyard.append(old_redundancy.drop())
+                self._graveyard.append(kept.drop())
+            elif kept is old_redundancy and trainer is not None:
+                # A planned switch: the generation it left stays restorable until this one
+                # is (a member that just joined must not be the single point of loss).
+                kept.settle()
+                with self.lock:
+                    self.previous = Previous(old_generation, old_layout, kept, step + 2)
             else:
-                old_redundancy.close()
+                kept.close()
         if trainer is not None and (p.recovery is not None or p.checkpoint):
             _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)
@@ -231,12 +261,13 @@ class Worker(WorkerControl):
         """A recovery's old state: this device's snapshot of the restore step (if it was in
         the old world) and the mirrors it holds for failed devices (if it is their proxy)."""
         rec = p.recovery
-        if rec is None or self.redundancy is None:
+        r = self._redundancy_for(p.old_layout)
+        if rec is None or r is None:
             return None, None
         restored = None
-        if p.old_layout is not None and self.device in p.old_layout.device_of:
-            restored = self.redundancy.restore(rec.restore_step)
-        mirrored = {dead: self.redundancy.restore_mirror(rec.restore_step)
+        if self.device in p.old_layout.device_of:
+            restored = r.restore(rec.restore_step)
+        mirrored = {dead: r.restore_mirror(rec.restore_step)
                     for dead, proxy in rec.proxies.items() if proxy == self.device}
         return restored, mirrored or None
 

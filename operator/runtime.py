@@ -258,7 +258,7 @@ class JobRuntime:
             self._start(job)
             return
         self.job = job
-        self.controller.job = job
+        self.controller.set_job(job)
         self.log(f"job {self.name}: spec changed (mode {job.mode}, layout "
                  f"{job.layout.to_text() if job.layout else '-'}, workers {job.workers})")
 
@@ -278,6 +278,8 @@ class JobRuntime:
 
     def _start(self, job) -> None:
         self.job = job
+        if job.recovery.timeouts:                      # spec.recovery.timeouts
+            self.timeouts = job.recovery.timeouts_config()
         self.store = dist.TCPStore(self.rendezvous_host, 0, is_master=True,
                                    wait_for_workers=False,
                                    timeout=timedelta(seconds=self.timeouts.group_s))
@@ -287,6 +289,8 @@ class JobRuntime:
             policy=self.policy or Policy(), timeouts=self.timeouts,
             devices_per_node=max(1, 8 // max(1, job.gpus_per_worker)), log=self.log)
         self.controller.before_switch = self._switching
+        self.controller.on_answer = self._answered
+        self.controller.intake = self._intake
         self.created = time.monotonic()
 
     # -- objects the job needs -------------------------------------------------------------------
@@ -360,12 +364,24 @@ class JobRuntime:
             self.log(f"job {self.name}: {kind} {name} updated to the spec")
 
     # -- one tick ---------------------------------------------------------------------------------
+    def _intake(self) -> None:
+        """The controller calls this while a switch waits: pods gone, notices and new agents
+        from the shared watch (a cache read), so no signal waits behind the switch."""
+        nodes = {n.metadata.name: k.read_node(n) for n in self.view.nodes()}
+        self._take_in(self._workers(nodes, time.monotonic()))
+
     def _tick(self) -> None:
         now = time.monotonic()
         nodes = {n.metadata.name: k.read_node(n) for n in self.view.nodes()}
         workers = self._workers(nodes, now)
-        c = self.controller
+        self._take_in(workers)
+        if not self.over:
+            self._scale(workers, nodes)
+        self._tick_rest(workers)
 
+    def _take_in(self, workers) -> None:
+        """Capacity signals from the worker pods: gone, unhealthy, doomed, newly up."""
+        c = self.controller
         for d in list(c.clients):                       # pods that are gone
             if d not in workers:
                 self.log(f"worker {d}: pod gone")
@@ -399,8 +415,8 @@ class JobRuntime:
                 else:
                     agent.close()
 
-        if not self.over:
-            self._scale(workers, nodes)
+    def _tick_rest(self, workers) -> None:
+        c = self.controller
         if not self.adopted:
             if not self._ready_to_start(workers):
                 self.phase = "Pending"
@@ -536,6 +552,17 @@ class JobRuntime:
                                 f"{len(alive) + max(0, count)} worker pods{capped}", gen)
 
     # -- after a switch ---------------------------------------------------------------------------
+    def _answered(self, req) -> None:
+        """A requested layout was applied, waits for capacity, or was superseded or refused:
+        the ``LayoutRequest`` condition and an Event say which, and why."""
+        ok = req.state == "applied"
+        reason = {"applied": "Applied", "pending": "Pending", "waiting": "WaitingForCapacity",
+                  "superseded": "Superseded", "refused": "Refused"}[req.state]
+        text = f"layout {req.layout.to_text()}: {req.answer}"
+        self.conditions.set("LayoutRequest", ok, reason, text, self._generation())
+        self._event("Normal" if req.state in ("applied", "pending") else "Warning",
+                    f"LayoutRequest{reason}", text)
+
     def _switching(self, old, new, reason) -> None:
         self.phase = "Switching" if old is not None else "Pending"
         self._publish(force=True)

@@ -6,7 +6,9 @@ again (mode ``hang``):
 
 - ``at:round`` (the default; with ``round:R``): on reaching network round R of a transfer;
 - ``at:transfer``: as a switch's transfer starts;
-- ``at:prepare``: inside the background preparation of a generation.
+- ``at:prepare``: inside the background preparation of a generation;
+- ``at:switched``: once a switch built this device's trainer of the new generation, before
+  its first snapshot (a member that just joined dies holding state no one mirrors yet).
 
 ``skip:N`` lets the first N arrivals at the point pass (e.g. the job's first generation is a
 preparation too). With ``DYNATRAIN_FAULT_LOG=FILE`` the device appends one JSON line (device,

@@ -140,5 +140,14 @@ def _print_summary(r) -> None:
         print(f"  recovery at step {rec.step} from {where}: {rec.from_layout} -> "
               f"{rec.to_layout}, {rec.phases.get('recovery_seconds', 0):.2f} s, "
               f"{lost} step(s) trained again")
+    for req in r.requests:
+        print(f"  layout request {req.layout.to_text()} (step {req.step}): {req.state}: "
+              f"{req.answer}")
     verdict = "each exactly once" if r.samples_exactly_once else "NOT exactly once"
-    print(f"  data: {r.samples_consumed} samples consumed, {verdict}")
+    inferred = (f" ({r.samples_inferred} counted from a restored state: their reader died "
+                "before reporting them)" if r.samples_inferred else "")
+    print(f"  data: {r.samples_consumed} samples consumed, {verdict}{inferred}")
+    for problem in r.data_problems[:10]:
+        print(f"    {problem}")
+    if len(r.data_problems) > 10:
+        print(f"    ... and {len(r.data_problems) - 10} more (--summary-json has them all)")

@@ -6,12 +6,22 @@ tick reads every member's progress over the agents' Status (steps, losses, the s
 data reader consumed), asks the :class:`~.policy.Policy` whether to switch, and runs the
 two-phase switch (:mod:`.orchestrator`) when it says so, retrying a failed Prepare with a fresh
 generation. The controller never touches training state itself; it only talks to agents.
+
+Signals never wait behind a switch: while one is being prepared or committed, the controller
+keeps reading progress and calls the front end's :attr:`JobController.intake` (which reports
+new capacity signals), and a Prepare whose target a newer signal made wrong (a device lost, a
+notice on a device of the target, a user's request over a voluntary switch) is aborted and
+re-planned at once; a signal that does not conflict is merged into the next decision. Every
+requested layout is answered (:class:`LayoutRequest`): applied, waiting for capacity with the
+reason, superseded, or refused with the solver's reason.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+
+import grpc
 
 from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
@@ -25,6 +35,7 @@ from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
 from .policy import Policy
 
 State = pb.StatusResponse.State
+VOLUNTARY = ("scale-up", "better-layout")
 MAX_ATTEMPTS = 3
 INTERRUPT_GRACE_S = 1.0
 """How long members may report INTERRUPTED before the controller recovers without knowing
@@ -36,16 +47,71 @@ class JobFailed(RuntimeError):
 
 
 @dataclass
+class LayoutRequest:
+    """A layout a user asked for, and the controller's answer to it."""
+
+    layout: Layout
+    step: int
+    """The job's step when it was asked for."""
+    state: str = "pending"
+    """``pending`` (to be applied at the next decision), ``waiting`` (needs capacity),
+    ``applied``, ``superseded`` (by a newer request, or withdrawn) or ``refused``."""
+    answer: str = ""
+    applied_step: int | None = None
+
+    def summary(self) -> dict:
+        return {"layout": self.layout.to_text(), "step": self.step, "state": self.state,
+                "answer": self.answer, "applied_step": self.applied_step}
+
+
+@dataclass
 class Progress:
     step: int = 0
     loss: float | None = None
     tokens_per_second: float = 0.0
     losses: dict[int, float] = field(default_factory=dict)
-    samples: list[tuple[int, int]] = field(default_factory=list)
-    """Every [begin, end) a data reader consumed, as reported (for exactly-once accounting)."""
+    reads: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    """step -> {device: [begin, end)}: the samples each data reader reported reading for that
+    step (a step trained again after a recovery replaces its reads)."""
+    inferred: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """step -> samples no reader's report covers, but that the restored state proves were
+    consumed (a reader died before reporting them); kept apart from ``reads``."""
     finished: bool = False
     first_step: int = 0
     """The step the job started from (a checkpoint's); samples before it are not this run's."""
+
+    @property
+    def samples(self) -> list[tuple[int, int]]:
+        """Every [begin, end) read, reported or inferred, in step order."""
+        out = []
+        for k in sorted(set(self.reads) | set(self.inferred)):
+            out.extend(sorted(self.reads.get(k, {}).values()))
+            out.extend(self.inferred.get(k, []))
+        return out
+
+    def audit(self, global_batch_size: int, last_step: int) -> list[str]:
+        """Each step's global batch must be read exactly once: steps ``first_step+1 ..
+        last_step``, step k owning samples [(k-1)*gbs, k*gbs). Returns the discrepancies,
+        each naming the step and the samples (empty: exactly once)."""
+        problems = []
+        for k in range(self.first_step + 1, last_step + 1):
+            lo, hi = (k - 1) * global_batch_size, k * global_batch_size
+            got = sorted([(b, e, f"device {d}") for d, (b, e) in self.reads.get(k, {}).items()]
+                         + [(b, e, "inferred") for b, e in self.inferred.get(k, [])])
+            at = lo
+            for b, e, who in got:
+                if b < lo or e > hi:
+                    problems.append(f"step {k}: {who} read samples [{b}, {e}), outside the "
+                                    f"step's batch [{lo}, {hi})")
+                elif b < at:
+                    problems.append(f"step {k}: samples [{b}, {min(e, at)}) read twice "
+                                    f"(again by {who})")
+                elif b > at:
+                    problems.append(f"step {k}: samples [{at}, {b}) never read")
+                at = max(at, min(e, hi))
+            if at < hi:
+                problems.append(f"step {k}: samples [{at}, {hi}) never read")
+        return problems
 
 
 class JobController:
@@ -82,10 +148,31 @@ class JobController:
         self.before_switch = None
         """Called with (old layout, new layout, reason) before a switch starts (the operator
         shows the job as Switching)."""
+        self.intake = None
+        """The front end's ``intake()``: report the capacity signals that arrived (notices,
+        exits, joins, requests) now. Called while a switch waits, so none waits behind it."""
+        self.requests: list[LayoutRequest] = []
+        self.on_answer = None
+        """Called with a :class:`LayoutRequest` whenever its answer changes (the operator's
+        condition and Event; the log line is written here)."""
+        self._auto_job: JobSpec | None = None
+        """The spec before the first request fixed the layout (restored if it is refused)."""
+        self._in_switch: tuple[set[int], Layout, str] | None = None
+        """(devices taking part, target, reason) of the switch in flight."""
+        self._to_close: list[AgentClient] = []
+        self.previous_devices: tuple[int, ...] = ()
+        """Devices of the generation before the running one (their snapshots may be kept)."""
+        self._exits_in_switch: dict[int, str] = {}
+        """Leavers of the switch in flight that exited (see :meth:`fail_device`)."""
+        self._last_step_at = time.monotonic()
+        """When the job last trained a step (or switched): the give-up clock."""
+        self._last_answer: dict[int, float] = {}
+        """Device -> monotonic time of its last answered Status (the watchdog's clock)."""
 
     # -- capacity ------------------------------------------------------------------------------
     def add_device(self, device: int, client: AgentClient) -> None:
         self.clients[device] = client
+        self._last_answer[device] = time.monotonic()
         self._report_workers()
 
     def notice(self, device: int, seconds: float) -> None:
@@ -96,17 +183,30 @@ class JobController:
     def remove_device(self, device: int) -> None:
         client = self.clients.pop(device, None)
         if client is not None:
-            client.close()
+            if self._in_switch is not None:
+                self._to_close.append(client)    # the switch in flight may still call it
+            else:
+                client.close()
         self.doomed.pop(device, None)
+        self._last_answer.pop(device, None)
         self._report_workers()
 
     def fail_device(self, device: int, why: str) -> None:
-        """``device`` died without notice (a crash, a lost node): the next tick recovers."""
-        if device in self.members and device not in self.failed:
-            self.log(f"device {device} failed: {why}")
-            self.failed.add(device)
-            self.lost.append(device)
+        """``device`` died without notice (a crash, a lost node): the next tick recovers.
+
+        A leaver of the switch in flight exits as its part ends: that is a failure only if
+        the switch then fails (judged when it ends)."""
+        if self._in_switch is not None and device in self.members \
+                and device not in self._in_switch[1].device_of:
+            self._exits_in_switch.setdefault(device, why)
+        elif device in self.members and device not in self.failed:
+            self._mark_failed(device, why)
         self.remove_device(device)
+
+    def _mark_failed(self, device: int, why: str) -> None:
+        self.log(f"device {device} failed: {why}")
+        self.failed.add(device)
+        self.lost.append(device)
 
     def restart_from(self, checkpoint: str, step: int) -> None:
         """Every worker was replaced (checkpoint-and-restart): start again from ``checkpoint``."""
@@ -122,9 +222,54 @@ class JobController:
         self._seen.clear()
         self._report_workers()
 
-    def request_layout(self, layout: Layout) -> None:
-        """A user asked for this layout (``parallelism.mode: fixed``)."""
+    def request_layout(self, layout: Layout) -> LayoutRequest:
+        """A user asked for this layout (``parallelism.mode: fixed``). It is applied at the
+        next decision, or answered with why not (:attr:`requests`)."""
+        for old in self.requests:
+            if old.state in ("pending", "waiting"):
+                self._answer(old, "superseded", f"superseded by the request for "
+                             f"{layout.to_text()}")
+        if self._auto_job is None and self.job.mode != "fixed":
+            self._auto_job = self.job
         self.job = replace(self.job, mode="fixed", layout=layout)
+        req = LayoutRequest(layout, self.progress.step)
+        self.requests.append(req)
+        if self.layout is not None and layout.to_text() == self.layout.to_text():
+            self._answer(req, "applied", "already running", step=self.progress.step)
+        else:
+            self._answer(req, "pending", f"requested at step {req.step}")
+        return req
+
+    def set_job(self, job: JobSpec) -> None:
+        """The spec was edited (the operator): a new fixed layout is a request; back to
+        ``auto`` withdraws one."""
+        before = self.job
+        self.job = job
+        if job.mode == "fixed" and job.layout is not None and (
+                before.mode != "fixed" or before.layout is None
+                or before.layout.to_text() != job.layout.to_text()):
+            self._auto_job = None
+            self.request_layout(job.layout)
+        elif job.mode != "fixed":
+            self._auto_job = None
+            for req in self.requests:
+                if req.state in ("pending", "waiting"):
+                    self._answer(req, "superseded", "withdrawn: parallelism.mode is auto again")
+
+    def pending_request(self) -> LayoutRequest | None:
+        return next((r for r in reversed(self.requests) if r.state in ("pending", "waiting")),
+                    None)
+
+    def _answer(self, req: LayoutRequest, state: str, text: str, *,
+                step: int | None = None) -> None:
+        if (req.state, req.answer) == (state, text):
+            return
+        req.state, req.answer = state, text
+        if state == "applied":
+            req.applied_step = step
+        self.log(f"layout request {req.layout.to_text()}: {state}: {text}")
+        if self.on_answer is not None:
+            self.on_answer(req)
 
     @property
     def usable(self) -> list[int]:
@@ -207,41 +352,114 @@ class JobController:
         """Read progress; switch if the policy says so. Returns the switch made, if any."""
         self.poll()
         if self.progress.finished:
+            for req in self.requests:
+                if req.state in ("pending", "waiting"):
+                    self._answer(req, "refused", f"not applied: the job finished at step "
+                                 f"{self.progress.step} first ({req.answer})")
             return None
+        stalled = time.monotonic() - self._last_step_at
+        if self.layout is not None and stalled > self.timeouts.give_up_s:
+            raise JobFailed(f"no step trained for {stalled:.0f} s (the give-up timeout, "
+                            f"spec.recovery.timeouts.giveUpSeconds={self.timeouts.give_up_s:g})"
+                            f"; members {self.members} at step {self.progress.step}")
         if self.failed or self._interrupted_long_enough():
             if not self.recover_in_memory:
                 return None          # the front end restarts the job (checkpoint-and-restart)
             return self._recover()
+        req = self.pending_request()
         try:
             decision = self.policy.decide(self.job, self.profile, self.layout, self.usable,
                                           set(self.doomed), self.progress.step)
         except SolverError as e:
             if self.layout is None or set(self.doomed) & set(self.members):
                 raise JobFailed(f"no layout fits the devices left: {e}") from e
+            if req is not None:
+                self._refuse(req, str(e))
             return None
+        if req is not None and self.layout is not None:
+            self._answer_waiting(req, decision)
         if decision is None:
             return None
         record = self._switch(decision.layout, decision.reason)
-        if decision.reason in ("scale-up", "better-layout"):
+        if record is not None and decision.reason in VOLUNTARY:
             self.policy.record_voluntary()
         return record
 
-    def poll(self) -> Progress:
-        """Collect step records from every member (each reports its own data reads)."""
+    def _answer_waiting(self, req: LayoutRequest, decision) -> None:
+        """Say why a pending request is not being applied by this decision."""
+        if decision is not None and decision.reason == "requested":
+            return
+        if req.layout.world > len(self.usable):
+            self._answer(req, "waiting", f"needs {req.layout.world} workers, "
+                         f"{len(self.usable)} usable: applied when capacity allows")
+        elif decision is not None:
+            self._answer(req, "pending", f"after the {decision.reason} switch in progress")
+        elif self.progress.step >= self.job.training.steps:
+            self._answer(req, "refused", "the job has finished")
+
+    def _refuse(self, req: LayoutRequest, why: str) -> None:
+        self._answer(req, "refused", why)
+        # Run on as before the request: the layout the job had, or the solver's choice.
+        self.job = self._auto_job or replace(self.job, layout=self.layout)
+        self._auto_job = None
+
+    def _watch(self, phase: str) -> str | None:
+        """While a switch waits: read progress, take in new signals, and say whether the
+        switch in flight is now wrong (its Prepare is then aborted and re-planned)."""
+        self.poll(judge=False)
+        if self.intake is not None:
+            self.intake()
+        if phase != "prepare" or self._in_switch is None:
+            return None
+        involved, new, reason = self._in_switch
+        lost = sorted(d for d in involved if d not in self.clients or d in self.failed)
+        if lost:
+            return f"device(s) {lost} lost"
+        doomed = sorted(set(new.device_of) & set(self.doomed))
+        if doomed:
+            return f"preemption notice for device(s) {doomed}, which the target uses"
+        req = self.pending_request()
+        if reason in VOLUNTARY and req is not None and \
+                req.layout.to_text() != new.to_text() and req.layout.world <= len(self.usable):
+            return f"layout {req.layout.to_text()} was requested"
+        return None
+
+    def poll(self, *, judge: bool = True) -> Progress:
+        """Collect step records from every member (each reports its own data reads).
+
+        The watchdog: a member that does not answer Status within ``timeouts.status_s``
+        missed one; one that has missed every call for ``timeouts.watchdog_s`` (a stopped or
+        hung process) is declared failed. One that refuses the connection has exited.
+        ``judge=False`` (while a switch runs: a leaver exits as it ends, and the switch
+        watches its devices itself) only reads progress."""
         p = self.progress
         states = []
+        now = time.monotonic()
         for d in self.members:
-            if d in self.failed:
+            if d in self.failed or d not in self.clients:
                 continue
             try:
-                st = self.clients[d].status(since_step=self._seen.get(d, 0))
+                st = self.clients[d].status(since_step=self._seen.get(d, 0),
+                                            timeout_s=self.timeouts.status_s)
             except AgentCallError as e:
-                self.fail_device(d, f"stopped answering: {e}")
+                if not judge:
+                    continue
+                silent = now - self._last_answer.setdefault(d, now)
+                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    if silent < self.timeouts.watchdog_s:
+                        continue                 # slow, or hung: the watchdog decides
+                    self.fail_device(d, f"hung: no answer to Status for {silent:.1f} s "
+                                        f"(watchdog {self.timeouts.watchdog_s:g} s)")
+                else:
+                    self.fail_device(d, f"stopped answering: {e}")
                 continue
-            if st.state == State.FAILED:
+            self._last_answer[d] = time.monotonic()
+            if st.state == State.FAILED and judge:
                 raise JobFailed(f"device {d} failed: {st.error}")
             states.append(st.state)
             self._ingest(d, st)
+        if not judge:
+            return p
         if State.INTERRUPTED in states:
             if self.interrupted_since is None:
                 self.interrupted_since = time.monotonic()
@@ -265,8 +483,10 @@ class JobController:
                 self.first_step_end.setdefault(rec.generation, rec.end_time)
             p.losses.setdefault(rec.step, rec.loss)
             if rec.sample_end > rec.sample_begin:
-                p.samples.append((rec.sample_begin, rec.sample_end))
+                p.reads.setdefault(rec.step, {})[device] = (rec.sample_begin, rec.sample_end)
             if rec.step >= p.step:
+                if rec.step > p.step:
+                    self._last_step_at = time.monotonic()
                 p.step, p.loss, p.tokens_per_second = rec.step, rec.loss, rec.tokens_per_second
 
     def _drop_unreachable(self, devices) -> bool:
@@ -275,11 +495,11 @@ class JobController:
         gone = False
         for d in sorted(devices):
             client = self.clients.get(d)
-            if client is None:
-                gone = gone or d in self.failed
+            if client is None:           # failed, or removed while the switch ran
+                gone = True
                 continue
             try:
-                client.status(since_step=1 << 62)
+                client.status(since_step=1 << 62, timeout_s=self.timeouts.watchdog_s)
             except AgentCallError as e:
                 gone = True
                 if d in self.members:
@@ -289,23 +509,46 @@ class JobController:
                     self.remove_device(d)
         return gone
 
+    def _run_switch(self, generation: int, old: Layout | None, new: Layout, reason: str,
+                    involved, **kw) -> SwitchRecord:
+        """One two-phase switch, watching for signals while it waits (see :meth:`_watch`)."""
+        self._in_switch = (set(involved), new, reason)
+        try:
+            return switch(dict(self.clients), generation, old, new, self.rendezvous,
+                          reason=reason, timeouts=self.timeouts,
+                          devices_per_node=self.devices_per_node, watch=self._watch, **kw)
+        except SwitchFailed:
+            for d, why in self._exits_in_switch.items():      # they left nothing behind
+                if d in self.members and d not in self.failed:
+                    self._mark_failed(d, why)
+            raise
+        finally:
+            self._in_switch = None
+            self._exits_in_switch.clear()
+            for client in self._to_close:
+                client.close()
+            self._to_close.clear()
+
     def _switch(self, new: Layout, reason: str) -> SwitchRecord | None:
         old = self.layout
         last_error = None
         if self.before_switch is not None:
             self.before_switch(old, new, reason)
+        involved = set(old.device_of if old else ()) | set(new.device_of)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.generation += 1
             kw = {"checkpoint": self.resume_from} if old is None and self.resume_from else {}
             try:
-                record = switch(self.clients, self.generation, old, new, self.rendezvous,
-                                reason=reason, timeouts=self.timeouts,
-                                devices_per_node=self.devices_per_node, **kw)
+                record = self._run_switch(self.generation, old, new, reason, involved, **kw)
             except SwitchFailed as e:
                 last_error = e
                 self.metrics.observe_switch(reason, "aborted" if e.retryable else "failed",
                                             {}, 0)
-                if self._drop_unreachable(set(old.device_of if old else ()) | set(new.device_of)):
+                if e.superseded:
+                    self.log(f"switch {_text(old)} -> {new.to_text()} ({reason}) superseded "
+                             f"while preparing: {e}; deciding again")
+                    return None
+                if self._drop_unreachable(involved):
                     # A device died under the switch: the next tick recovers (or re-plans)
                     # with the devices left; retrying this switch would fail again.
                     self.log(f"switch to {new.to_text()} failed because a device is gone: {e}")
@@ -320,7 +563,7 @@ class JobController:
             record.attempts = attempt
             if kw:
                 self.log(f"started from checkpoint {self.resume_from} at step {record.step}")
-                if not self.progress.samples:
+                if not self.progress.reads:
                     self.progress.first_step = record.step
                 self._rewind(record.step)
                 self.resume_from = ""
@@ -349,27 +592,37 @@ class JobController:
                             f"{len(self.usable)} devices left: {e}") from e
         new = decision.layout if decision is not None else old
         holdings = {}
-        for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of))):
+        for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of))
+                        | (set(self.clients) & set(self.previous_devices))):
             try:
-                holdings[d] = self.clients[d].status(since_step=self._seen.get(d, 0))
+                holdings[d] = self.clients[d].status(since_step=self._seen.get(d, 0),
+                                                     timeout_s=self.timeouts.watchdog_s)
             except AgentCallError as e:
-                raise JobFailed(f"recovering from the failure of devices {list(failed)}: "
-                                f"device {d} does not answer either: {e}") from e
+                # Lost too: recover again over the devices that answer.
+                self.fail_device(d, f"does not answer during the recovery from the failure "
+                                    f"of devices {list(failed)}: {e}")
+                return None
             if d in old.device_of:
                 self._ingest(d, holdings[d])        # steps reported since the last poll
         choice = choose_restore(self.job.model, old, new, failed, holdings,
                                 gpus_per_node=self.devices_per_node)
+        start, dead, earlier = old, failed, ""
+        if choice is None:
+            found = self._previous_restore(new, holdings)
+            if found is not None:
+                start, dead, choice = found
+                earlier = (f" of the generation before the last switch ({start.to_text()} on "
+                           f"{list(start.device_of)}; the running one has no whole copy yet)")
         lost_from = self.progress.step
         self.generation += 1
         if choice is not None:
-            restore = Restore(choice[0], failed, choice[1])
-            what = (f"restoring step {restore.step} from memory"
+            restore = Restore(choice[0], dead, choice[1])
+            what = (f"restoring step {restore.step}{earlier} from memory"
                     + (f" (mirrors of {sorted(restore.proxies)} on "
                        f"{[restore.proxies[k] for k in sorted(restore.proxies)]})"
                        if restore.proxies else ""))
             self.log(f"recovering: {_text(old)} -> {new.to_text()}, {what}")
             kw = dict(restore=restore)
-            start = old
         else:
             ckpt = max(((st.checkpoint_step, st.checkpoint) for st in holdings.values()
                         if st.checkpoint), default=None)
@@ -383,12 +636,19 @@ class JobController:
                      f"restarting {new.to_text()} from checkpoint {ckpt[1]} (step {ckpt[0]})")
             kw = dict(checkpoint=ckpt[1])
             start = None
+        involved = (set(start.device_of if start else old.device_of) | set(new.device_of)) \
+            - set(dead)
         try:
-            record = switch(self.clients, self.generation, start, new, self.rendezvous,
-                            reason="failure", timeouts=self.timeouts,
-                            devices_per_node=self.devices_per_node, **kw)
+            record = self._run_switch(self.generation, start, new, "failure", involved, **kw)
         except SwitchFailed as e:
-            self.metrics.observe_switch("failure", "failed", {}, 0)
+            self.metrics.observe_switch("failure", "aborted" if e.retryable else "failed",
+                                        {}, 0)
+            if e.superseded or (e.retryable and self._drop_unreachable(involved)):
+                # A newer signal (another device lost, a notice on the target): recover again
+                # at once over what is left; the snapshots are still there.
+                self.log(f"recovery {_text(old)} -> {new.to_text()} superseded while "
+                         f"preparing: {e}; recovering again")
+                return None
             raise JobFailed(f"recovery {_text(old)} -> {new.to_text()} failed: {e}") from e
         record.from_layout = _text(old)
         record.phases["recovery_seconds"] = time.monotonic() - t0
@@ -396,33 +656,66 @@ class JobController:
         record.phases["lost_steps"] = max(0, lost_from - record.step)
         record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
         self._rewind(record.step)
-        # The restored step (snapshot or checkpoint) includes every data reader's reads up
-        # to it, whether or not their last reports reached the controller.
-        self._account_unreported_reads(old, record.step)
+        self._infer_unreported_reads(record.step)
+        req = self.pending_request()
+        if req is not None and req.layout.to_text() != new.to_text():
+            self._answer(req, "pending", f"superseded by the failure of devices "
+                         f"{list(failed)} (recovered to {new.to_text()} at step "
+                         f"{record.step}): re-requested after the recovery")
         self._after_switch(old, new, record)
         self.failed.clear()
         self.interrupted_since = None
         self.recoveries.append(record)
         return record
 
-    def _account_unreported_reads(self, old: Layout, step: int) -> None:
-        """The restored state includes every step up to ``step``, so every data reader's reads
-        of those steps happened, but not every step record reached the controller: a failed
-        device's are gone with it, and a survivor can be interrupted between finishing a step
-        (its snapshot exists) and publishing the step's record. Which samples a data reader
-        reads is a function of the layout and the step alone (the first stage's TP rank 0 of
-        DP index j reads its j-th share of the step's global batch), so the missing ones are
-        accounted here exactly as the device would have reported them."""
+    def _previous_restore(self, new: Layout, holdings: dict):
+        """Recovery from the generation before the running one, whose snapshots its members
+        keep for two steps after a planned switch: (its layout, its devices that are gone,
+        (step, proxies)), or None. The way back when the running generation holds no whole
+        copy yet (a member that just joined and has not mirrored its state, a new stage)."""
+        from types import SimpleNamespace
+
+        from dynatrain.vps.layout import parse_layout
+
+        kept = {d: st for d, st in holdings.items() if st.previous_generation}
+        if not kept:
+            return None
+        g = max(st.previous_generation for st in kept.values())
+        lead = next(st for st in kept.values() if st.previous_generation == g)
+        prev = parse_layout(lead.previous_layout).with_devices(lead.previous_devices)
+        held = {d: SimpleNamespace(snapshot_steps=list(st.previous_snapshot_steps),
+                                   mirror_of=st.previous_mirror_of,
+                                   mirror_steps=list(st.previous_mirror_steps))
+                for d, st in kept.items() if st.previous_generation == g}
+        dead = tuple(sorted(d for d in prev.device_of if d not in held))
+        choice = choose_restore(self.job.model, prev, new, dead, held,
+                                gpus_per_node=self.devices_per_node)
+        return (prev, dead, choice) if choice is not None else None
+
+    def _infer_unreported_reads(self, step: int) -> None:
+        """The restored state is the result of every step up to ``step``, each of which
+        all-reduced the gradients of its whole global batch: so every sample of those steps
+        was read, whether or not its reader's report reached the controller (a device that
+        died between finishing a step and the next Status poll takes its last records with
+        it). Samples no report covers are kept as *inferred*, apart from the reported reads,
+        and named in the log; the audit counts them once."""
         gbs = self.job.global_batch_size
-        per_rank = gbs // old.dp
-        for d in old.device_of:
-            stage, j, t = old.coords(old.device_of.index(d))
-            if stage != 0 or t != 0:
-                continue
-            for k in range(self._seen.get(d, 0) + 1, step + 1):
-                start = (k - 1) * gbs + j * per_rank
-                self.progress.samples.append((start, start + per_rank))
-            self._seen[d] = step
+        p = self.progress
+        for k in range(p.first_step + 1, step + 1):
+            lo, hi = (k - 1) * gbs, k * gbs
+            at, gaps = lo, []
+            for b, e in sorted(p.reads.get(k, {}).values()):
+                if b > at:
+                    gaps.append((at, min(b, hi)))
+                at = max(at, e)
+            if at < hi:
+                gaps.append((at, hi))
+            known = p.inferred.get(k, [])
+            gaps = [g for g in gaps if g not in known]
+            if gaps:
+                p.inferred[k] = known + gaps
+                self.log(f"step {k}: samples {gaps} were read by a device that failed before "
+                         f"reporting them; counted from the restored state of step {step}")
 
     def _reconcile(self) -> bool:
         """A switch the controller saw fail may have completed on every survivor (the device
@@ -447,6 +740,11 @@ class JobController:
             self.log(f"generation {generation} ({new.to_text()} on {list(devices)}) completed "
                      "on the survivors; recovering from it")
             self.failed = {d for d in self.failed if d in devices}
+            for d in devices:                 # gone before it was a member on record
+                if d not in self.clients and d not in self.failed:
+                    self._mark_failed(d, "lost while the switch to generation "
+                                         f"{generation} completed")
+            self.previous_devices = tuple(self.layout.device_of)
             self.layout, self.generation_running = new, generation
             return True
         return False
@@ -456,8 +754,8 @@ class JobController:
         p = self.progress
         p.step = step
         p.losses = {k: v for k, v in p.losses.items() if k <= step}
-        end = step * self.job.global_batch_size
-        p.samples = [(a, b) for a, b in p.samples if b <= end]
+        p.reads = {k: v for k, v in p.reads.items() if k <= step}
+        p.inferred = {k: v for k, v in p.inferred.items() if k <= step}
         p.loss = p.losses.get(step)
         self._seen = {d: min(v, step) for d, v in self._seen.items()}
 
@@ -469,8 +767,14 @@ class JobController:
                     self._ingest(d, self.clients[d].status(since_step=self._seen.get(d, 0)))
             except AgentCallError:
                 pass
+        self.previous_devices = tuple(old.device_of) if old is not None else ()
         self.layout = new
         self.generation_running = record.generation
+        self._last_step_at = time.monotonic()
+        req = self.pending_request()
+        if req is not None and req.layout.to_text() == new.to_text():
+            self._answer(req, "applied", f"applied at step {record.step} ({record.reason})",
+                         step=record.step)
         self.metrics.set_layout(new)
         self.metrics.set_generation(self.generation)
         self._report_workers()

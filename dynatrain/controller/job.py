@@ -85,6 +85,20 @@ class RecoverySpec:
     checkpoint_keep: int = 2
     resume_from: str = ""
     """Start the job from this checkpoint (written under any layout)."""
+    timeouts: tuple[tuple[str, float], ...] = ()
+    """``spec.recovery.timeouts`` as (field, seconds), the hierarchy of
+    :class:`~dynatrain.controller.orchestrator.Timeouts` (unset fields keep its defaults)."""
+
+    def timeouts_config(self):
+        from .orchestrator import Timeouts
+
+        return Timeouts(**{TIMEOUT_FIELDS[k]: v for k, v in self.timeouts})
+
+
+TIMEOUT_FIELDS = {"statusSeconds": "status_s", "watchdogSeconds": "watchdog_s",
+                  "collectiveSeconds": "group_s", "prepareSeconds": "prepare_s",
+                  "commitSeconds": "commit_s", "giveUpSeconds": "give_up_s"}
+"""``spec.recovery.timeouts`` fields, shortest first: each must be shorter than the next."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +302,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     ck = r.obj(spec, "checkpoint", "spec")
     r.str(ck, "claimName", "spec.checkpoint")          # the cluster's volume; checked only
     recovery = RecoverySpec(
+        timeouts=_timeouts(r, r.obj(rec, "timeouts", "spec.recovery")),
         mirror=mirror,
         checkpoint_interval=(r.int(ck, "intervalSteps", "spec.checkpoint", 1000, minimum=1)
                              or 1000) if ck else 0,
@@ -325,6 +340,31 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
                    recovery=recovery)
+
+
+def _timeouts(r: _Reader, doc: dict) -> tuple[tuple[str, float], ...]:
+    """``spec.recovery.timeouts``: known fields, positive, in the order of the hierarchy."""
+    from .orchestrator import Timeouts
+
+    unknown = sorted(set(doc) - set(TIMEOUT_FIELDS))
+    if unknown:
+        r.problems.append(f"spec.recovery.timeouts: unknown fields {unknown}; valid: "
+                          f"{', '.join(TIMEOUT_FIELDS)}")
+    defaults = Timeouts()
+    out = tuple((k, r.float(doc, k, "spec.recovery.timeouts", getattr(defaults, attr)))
+                for k, attr in TIMEOUT_FIELDS.items() if k in doc)
+    chain = [(k, dict(out).get(k, getattr(defaults, attr))) for k, attr in TIMEOUT_FIELDS.items()]
+    for (a, x), (b, y) in zip(chain, chain[1:]):
+        if a == "collectiveSeconds" and b == "prepareSeconds":
+            ok = x <= y           # a Prepare builds groups: it may wait as long as one
+        else:
+            ok = x < y
+        if not ok:
+            r.problems.append(f"spec.recovery.timeouts.{a}={x:g} must be "
+                              f"{'at most' if a == 'collectiveSeconds' else 'less than'} "
+                              f"{b}={y:g}: the hierarchy is "
+                              + " < ".join(TIMEOUT_FIELDS))
+    return out
 
 
 def _checkpoint_path(r: _Reader, ck: dict) -> str:

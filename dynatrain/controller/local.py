@@ -7,6 +7,11 @@ capacity signals (a preemption notice now, the kill at the deadline; new workers
 live progress. Everything else (which layout, when to switch, the switch itself) is the
 controller core's and the agents' work, exactly as on a cluster.
 
+Nothing here blocks the job: a joining worker is started and handed to the controller once its
+agent is up, and the runner's :meth:`LocalRunner._intake` (new workers, exits, due scenario
+events) also runs while a switch waits, so a signal is taken in within a step of its arrival
+whatever is in flight.
+
 Every worker's output goes to ``<run dir>/worker-<device>.log``; when a worker dies
 unexpectedly the job stops and the tail of that log is shown.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +53,8 @@ class WorkerProcess:
     metrics: str = ""
     kill_at: float | None = None
     expected_exit: bool = False
+    start_deadline: float = 0.0
+    """Until the agent is up (``agent`` empty): when to give up on it."""
 
 
 @dataclass
@@ -64,6 +72,14 @@ class RunResult:
     """Switch records of the recoveries from unplanned failures (reason ``failure``)."""
     failures: list = field(default_factory=list)
     """(device, wall time) of every worker that died in the running layout."""
+    data_problems: list = field(default_factory=list)
+    """What the exactly-once audit found (each names the step and the samples)."""
+    samples_inferred: int = 0
+    """Samples counted from a restored state, their reader's report lost with it."""
+    requests: list = field(default_factory=list)
+    """Every requested layout and its answer (:class:`~.core.LayoutRequest`)."""
+    events: list = field(default_factory=list)
+    """Every scenario event: its step, and the step at which it was taken in."""
 
     def summary(self) -> dict:
         return {"job": self.job, "steps": self.steps, "final_loss": self.final_loss,
@@ -73,6 +89,10 @@ class RunResult:
                 "samples_exactly_once": self.samples_exactly_once,
                 "recoveries": [s.summary() for s in self.recoveries],
                 "failures": [{"device": d, "time": t} for d, t in self.failures],
+                "data_problems": self.data_problems,
+                "samples_inferred": self.samples_inferred,
+                "requests": [r.summary() for r in self.requests],
+                "events": self.events,
                 "wall_seconds": self.wall_seconds}
 
 
@@ -80,12 +100,13 @@ class LocalRunner:
     def __init__(self, job: JobSpec, job_path: str, scenario: Scenario, *, run_dir: Path,
                  profile: DeviceProfile, policy: Policy | None = None, out=print,
                  metrics_port: int = 0, prometheus_sd: str | None = None,
-                 threads_per_worker: int = 0, timeouts: Timeouts = Timeouts(),
+                 threads_per_worker: int = 0, timeouts: Timeouts | None = None,
                  resume_from: str = "", restart_on_failure: bool = False,
                  worker_env: dict[int, dict[str, str]] | None = None):
         self.job, self.job_path, self.scenario = job, job_path, scenario
         self.run_dir, self.out = run_dir, out
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        timeouts = timeouts or job.recovery.timeouts_config()      # spec.recovery.timeouts
         self.token_file = run_dir / "agent-token"
         self.token_file.write_text(secrets.token_urlsafe(32))
         self.token_file.chmod(0o600)
@@ -118,12 +139,19 @@ class LocalRunner:
         """(checkpoint step, wall time) of every checkpoint-and-restart."""
         self.failures: list[tuple[int, float]] = []
         """(device, wall time) of every worker that died in the running layout."""
+        self.events: list[Event] = []
+        """Scenario events not yet due."""
+        self.event_log: list[dict] = []
+        self.controller.intake = self._intake
 
     def _say(self, text: str) -> None:
         self.out(f"[{time.monotonic() - self.t0:6.1f}s] {text}")
 
     # -- workers -----------------------------------------------------------------------------
-    def _spawn(self, count: int) -> list[int]:
+    def _spawn(self, count: int, *, wait: bool = True) -> list[int]:
+        """Start ``count`` workers; each is handed to the controller once its agent is up
+        (``wait``: before returning; otherwise by :meth:`_register_ready`, so a join never
+        holds up the job while the new processes import torch)."""
         devices = []
         for _ in range(count):
             d = self.next_device
@@ -139,28 +167,46 @@ class LocalRunner:
             with open(log, "w") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env)
-            self.workers[d] = WorkerProcess(d, proc, log)
+            self.workers[d] = WorkerProcess(d, proc, log, start_deadline=time.monotonic()
+                                            + WORKER_START_TIMEOUT_S)
             devices.append(d)
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        for d in devices:
-            w = self.workers[d]
-            ready = self.run_dir / f"worker-{d}.ready"
-            while not ready.exists():
-                if w.proc.poll() is not None:
-                    raise JobFailed(f"worker {d} exited with code {w.proc.returncode} while "
-                                    f"starting:\n{_tail(w.log)}")
-                if time.monotonic() > deadline:
-                    raise JobFailed(f"worker {d} did not start within "
-                                    f"{WORKER_START_TIMEOUT_S:.0f} s:\n{_tail(w.log)}")
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
-            w.agent = f"127.0.0.1:{info['agent_port']}"
-            w.metrics = f"127.0.0.1:{info['metrics_port']}"
-            client = AgentClient(w.agent, token_file=str(self.token_file))
-            client.wait_healthy(30.0)
-            self.controller.add_device(d, client)
-        self._write_sd()
+        while wait and any(not self.workers[d].agent for d in devices if d in self.workers):
+            self._register_ready(fatal=True)
+            time.sleep(0.05)
         return devices
+
+    def _register_ready(self, *, fatal: bool = False) -> None:
+        """Hand every worker whose agent came up to the controller. A worker that exits or
+        does not come up in time stops the job (``fatal``: the initial workers) or is
+        reported and forgotten (a joiner: the job goes on without it)."""
+        for w in list(self.workers.values()):
+            if w.agent:
+                continue
+            ready = self.run_dir / f"worker-{w.device}.ready"
+            problem = None
+            if ready.exists():
+                info = json.loads(ready.read_text())
+                w.agent = f"127.0.0.1:{info['agent_port']}"
+                w.metrics = f"127.0.0.1:{info['metrics_port']}"
+                client = AgentClient(w.agent, token_file=str(self.token_file))
+                client.wait_healthy(30.0)
+                self.controller.add_device(w.device, client)
+                self._say(f"worker {w.device} up (standby)")
+                self._write_sd()
+                continue
+            if w.proc.poll() is not None:
+                problem = f"exited with code {w.proc.returncode} while starting"
+            elif time.monotonic() > w.start_deadline:
+                problem = f"did not start within {WORKER_START_TIMEOUT_S:.0f} s"
+                w.proc.kill()
+                w.proc.wait()
+            if problem is None:
+                continue
+            del self.workers[w.device]
+            if fatal:
+                raise JobFailed(f"worker {w.device} {problem}:\n{_tail(w.log)}")
+            self._say(f"worker {w.device} {problem}; the job goes on without it:\n"
+                      f"{_tail(w.log, 5)}")
 
     def _write_sd(self) -> None:
         """Prometheus file_sd targets: the controller and every live worker."""
@@ -180,6 +226,8 @@ class LocalRunner:
     def _check_workers(self) -> None:
         now = time.monotonic()
         for w in list(self.workers.values()):
+            if not w.agent:
+                continue                           # starting: _register_ready watches it
             code = w.proc.poll()
             if code is None and w.kill_at is not None and now >= w.kill_at:
                 self._say(f"worker {w.device}: notice expired, killed")
@@ -187,11 +235,24 @@ class LocalRunner:
                 w.proc.wait()
                 code = w.proc.returncode
                 w.expected_exit = True
+            if code is None and w.device in self.controller.lost:
+                # Declared failed while alive (hung): what a cluster does to its pod.
+                self._say(f"worker {w.device}: declared failed by the controller; killed")
+                w.proc.kill()
+                w.proc.wait()
+                code = w.proc.returncode
+                w.expected_exit = True
             if code is None:
                 continue
-            in_layout = w.device in self.controller.members
             del self.workers[w.device]
             self._write_sd()
+            if w.device in self.controller.lost:
+                self.failures.append((w.device, time.time()))
+                self.controller.remove_device(w.device)
+                continue
+            # A leaver exits 0 once its switch is done, possibly before the controller has
+            # recorded the new layout (its exit is seen while the switch ends).
+            in_layout = w.device in self.controller.members and code != 0
             if in_layout:
                 self.failures.append((w.device, time.time()))
                 if self.restart_on_failure:
@@ -242,11 +303,37 @@ class LocalRunner:
                     continue
                 w.proc.kill()           # no notice: the controller learns it from the exit
                 self.kills.append((d, time.time()))
+        elif event.kind == "hang":
+            for d in event.workers:
+                w = self.workers.get(d)
+                if w is None or w.proc.poll() is not None:
+                    self._say(f"  worker {d} is not running; nothing to hang")
+                    continue
+                w.proc.send_signal(signal.SIGSTOP)   # alive, silent: the watchdog's case
+                self.kills.append((d, time.time()))
         elif event.kind == "join":
-            new = self._spawn(event.count)
-            self._say(f"  workers {new} up (standby)")
+            new = self._spawn(event.count, wait=False)
+            self._say(f"  workers {new} starting")
         else:
             self.controller.request_layout(event.layout)
+
+    def _apply_due_events(self) -> None:
+        c = self.controller
+        while self.events and c.progress.step >= self.events[0].at_step \
+                and c.layout is not None:
+            event = self.events.pop(0)
+            self.event_log.append({"kind": event.kind, "at_step": event.at_step,
+                                   "taken_step": c.progress.step,
+                                   "in_switch": c._in_switch is not None})
+            self._apply(event)
+
+    def _intake(self) -> None:
+        """Take in what happened: workers that came up or exited, scenario events now due.
+        The controller also calls it while a switch waits."""
+        self._register_ready()
+        if not self.restart_on_failure:        # a restart replaces every worker: not mid-switch
+            self._check_workers()
+        self._apply_due_events()
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -257,10 +344,11 @@ class LocalRunner:
                   f"{job.max_workers}); run dir {self.run_dir}")
         self._say(f"metrics: controller http://127.0.0.1:{self.metrics_port}/metrics")
         self._spawn(initial)
-        events = list(self.scenario.events)
+        self.events = list(self.scenario.events)
         last_print = 0.0
         try:
             while True:
+                self._register_ready()
                 self._check_workers()
                 record = c.tick()
                 if self.restart_on_failure and c.failed:
@@ -269,8 +357,7 @@ class LocalRunner:
                 if record is not None:
                     self._report_switch(record)
                 p = c.progress
-                while events and p.step >= events[0].at_step and c.layout is not None:
-                    self._apply(events.pop(0))
+                self._apply_due_events()
                 if p.finished:
                     break
                 if p.loss is not None and time.monotonic() - last_print > 1.0:
@@ -309,18 +396,15 @@ class LocalRunner:
     def _result(self) -> RunResult:
         p = self.controller.progress
         steps = max(p.losses) if p.losses else 0
-        first = p.first_step * self.job.global_batch_size
-        total = steps * self.job.global_batch_size
-        counts = [0] * max(0, total - first)
-        for a, b in p.samples:
-            for i in range(max(a, first), min(b, total)):
-                counts[i - first] += 1
-        once = bool(counts) and all(n == 1 for n in counts) and \
-            sum(b - a for a, b in p.samples) == total - first
+        problems = p.audit(self.job.global_batch_size, steps)
+        once = steps > p.first_step and not problems
+        inferred = sum(b - a for spans in p.inferred.values() for a, b in spans)
         return RunResult(self.job.name, steps, p.losses.get(steps, float("nan")), p.losses,
                          self.controller.switches, sum(b - a for a, b in p.samples), once,
                          time.monotonic() - self.t0, recoveries=self.controller.recoveries,
-                         failures=self.failures)
+                         failures=self.failures, data_problems=problems,
+                         samples_inferred=inferred, requests=list(self.controller.requests),
+                         events=self.event_log)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

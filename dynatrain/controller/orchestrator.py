@@ -22,9 +22,11 @@ from dynatrain.vps.layout import Layout
 
 
 class SwitchFailed(RuntimeError):
-    def __init__(self, message: str, *, retryable: bool):
+    def __init__(self, message: str, *, retryable: bool, superseded: bool = False):
         super().__init__(message)
         self.retryable = retryable
+        self.superseded = superseded
+        """Aborted in Prepare because a newer signal made its target wrong (not an error)."""
 
 
 @dataclass
@@ -66,12 +68,27 @@ class SwitchRecord:
 
 @dataclass
 class Timeouts:
+    """The timeout hierarchy, shortest first (``spec.timeouts`` sets them; README "Timeouts"):
+    a hung worker is found by the watchdog long before a collective, a switch or the job
+    would give up on it."""
+
+    status_s: float = 2.0
+    """Deadline of one Status or health call: an agent that does not answer within it missed
+    one (a loaded machine can be slow: one miss is not a failure)."""
+    watchdog_s: float = 10.0
+    """A member that answers no Status for this long (a hung or stopped process), or that
+    makes no progress this long while its peers wait for it in a collective, is declared
+    failed and recovered like a dead one."""
+    group_s: float = 60.0
+    """Timeout of every wait inside the generation's groups (transfer rounds included): the
+    backstop for a hang the watchdog cannot attribute."""
     prepare_s: float = 60.0
     """Longest wait for every device to report the generation ready."""
     commit_s: float = 120.0
     """Longest wait for every device to switch after Commit."""
-    group_s: float = 60.0
-    """Timeout of every wait inside the generation's groups (transfer rounds included)."""
+    give_up_s: float = 600.0
+    """The job fails when it has trained no step for this long although it runs a layout
+    (every shorter timeout above has had its chance to recover it)."""
 
 
 def _fan_out(fn, items) -> list:
@@ -99,11 +116,15 @@ class Restore:
 def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None, new: Layout,
            rendezvous: str, *, reason: str, timeouts: Timeouts = Timeouts(),
            devices_per_node: int = 8, staging_bytes: int = 0, restore: Restore | None = None,
-           checkpoint: str = "") -> SwitchRecord:
+           checkpoint: str = "", watch=None) -> SwitchRecord:
     """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``.
 
     ``restore`` makes it a recovery (the old generation failed; its failed devices take no
-    part); ``checkpoint`` (with ``old=None``) starts ``new`` from a checkpoint."""
+    part); ``checkpoint`` (with ``old=None``) starts ``new`` from a checkpoint.
+
+    ``watch(phase)`` is called about every 0.1 s while the switch waits (``phase`` is
+    ``"prepare"`` or ``"commit"``): the caller takes in the signals that arrived meanwhile.
+    In Prepare it may return a reason, and the switch is aborted as *superseded*."""
     failed = set(restore.failed) if restore else set()
     members = sorted((set(old.device_of if old else ()) | set(new.device_of)) - failed)
     missing = [d for d in members if d not in clients]
@@ -131,9 +152,16 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
         raise SwitchFailed("; ".join(f"device {d}: {e}" for d, e in errors), retryable=True)
     deadline = t0 + timeouts.prepare_s
     waiting = set(members)
+    watched = time.monotonic()
     while waiting:
+        if watch is not None and time.monotonic() - watched >= 0.1:
+            watched = time.monotonic()
+            why = watch("prepare")
+            if why:
+                _abort(clients, members, generation, f"superseded: {why}")
+                raise SwitchFailed(why, retryable=True, superseded=True)
         for d, st in zip(sorted(waiting), _fan_out(lambda d: clients[d].status(
-                since_step=1 << 62), sorted(waiting))):
+                since_step=1 << 62, timeout_s=timeouts.watchdog_s), sorted(waiting))):
             if isinstance(st, Exception):
                 _abort(clients, members, generation, "status failed")
                 raise SwitchFailed(f"device {d}: status failed while preparing: {st}",
@@ -152,7 +180,8 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
             time.sleep(0.02)
     record.prepare_seconds = time.monotonic() - t0
 
-    replies = _commit_watching(clients, members, generation, timeouts.commit_s)
+    replies = _commit_watching(clients, members, generation, timeouts.commit_s, watch,
+                               timeouts.status_s)
     errors = [(d, r) for d, r in zip(members, replies) if isinstance(r, Exception)]
     if errors:
         record.result, record.error = "failed", "; ".join(f"device {d}: {e}" for d, e in errors)
@@ -174,11 +203,12 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
     return record
 
 
-def _commit_watching(clients, members: list[int], generation: int, timeout_s: float) -> list:
+def _commit_watching(clients, members: list[int], generation: int, timeout_s: float,
+                     watch=None, status_s: float = 2.0) -> list:
     """Commit on every device at once; while the replies are outstanding, check every 0.1 s
-    that the devices still answer. A device that dies mid-switch leaves the others waiting in
-    the transfer until their timeout; noticing it now lets the controller recover at once (its
-    recovery Prepare abandons their waits)."""
+    that the devices still answer (and let ``watch`` take in new signals). A device that dies
+    mid-switch leaves the others waiting in the transfer until their timeout; noticing it now
+    lets the controller recover at once (its recovery Prepare abandons their waits)."""
     pool = ThreadPoolExecutor(max_workers=max(1, len(members)))
     futures = [pool.submit(lambda d=d: clients[d].commit(generation, 0, timeout_s=timeout_s))
                for d in members]
@@ -188,13 +218,15 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
             done, pending = wait(futures, timeout=0.1)
             if not pending:
                 break
+            if watch is not None:
+                watch("commit")     # too late to abort: what it learns waits for the next tick
             # The gRPC health check, not Status: a leaver exits once its last Status is read.
             # A device that switched is not asked (it may be a leaver on its way out); one
             # whose Commit failed is (the dead one usually has: the others wait on it).
             for d, f in zip(members, futures):
                 if f.done() and f.exception() is None:
                     continue
-                if clients[d].health():
+                if clients[d].health(timeout_s=status_s):
                     misses.pop(d, None)
                     continue
                 misses[d] = misses.get(d, 0) + 1

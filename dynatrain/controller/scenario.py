@@ -11,6 +11,9 @@ events:
     layout: "dp=1,tp=2,pp=2"                     # a user fixes the layout (kubectl edit)
   - atStep: 60
     kill: {workers: [1]}                         # dies with no notice (kill -9): recovery
+  - atStep: 70
+    hang: {workers: [2]}                         # stops (SIGSTOP), alive but silent: the
+                                                 # watchdog declares it failed, it is killed
 ```
 
 Workers are named by their device id: the initial workers are 0..N-1, joiners take the next
@@ -26,7 +29,7 @@ import yaml
 
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 
-KINDS = ("preempt", "join", "layout", "kill")
+KINDS = ("preempt", "join", "layout", "kill", "hang")
 
 
 class ScenarioError(ValueError):
@@ -48,6 +51,8 @@ class Event:
                     f"({self.notice_seconds:g} s)")
         if self.kind == "kill":
             return f"worker(s) {list(self.workers)} killed without notice"
+        if self.kind == "hang":
+            return f"worker(s) {list(self.workers)} hang (stopped, still alive)"
         if self.kind == "join":
             return f"{self.count} worker(s) join"
         return f"layout {self.layout.to_text()} requested"
@@ -108,11 +113,12 @@ def parse_scenario(doc, *, source: str = "scenario") -> Scenario:
                 continue
             events.append(Event(step, kind, workers=tuple(value["workers"]),
                                 notice_seconds=float(notice)))
-        elif kind == "kill":
+        elif kind in ("kill", "hang"):
             if not isinstance(value, dict) or not isinstance(value.get("workers"), list) \
                     or not value["workers"] or set(value) != {"workers"} \
-                    or not all(isinstance(w, int) and w >= 0 for w in value["workers"]):
-                problems.append(f"{where}.kill must be {{workers: [ids]}} with worker ids "
+                    or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0
+                               for w in value["workers"]):
+                problems.append(f"{where}.{kind} must be {{workers: [ids]}} with worker ids "
                                 f">= 0, got {value!r}")
                 continue
             events.append(Event(step, kind, workers=tuple(value["workers"])))

@@ -368,6 +368,16 @@ class Redundancy:
         """Host bytes held: both own snapshot slots and both mirror slots."""
         return sum(s.buf.numel() for s in self._slots + self._mirror_slots)
 
+    def settle(self) -> None:
+        """Finish the exchange in flight and keep every buffer: the end of a generation that
+        switched as planned, whose snapshots stay restorable for a while (its peers settle
+        theirs too). A failed exchange is not an error: the half-received mirror is not
+        counted (:meth:`holdings`)."""
+        try:
+            self.wait_mirror()
+        except Exception:  # noqa: BLE001 - the slot is already marked invalid
+            pass
+
     def close(self) -> None:
         """Finish the exchange in flight, then drop every buffer: the end of a generation
         that switched as planned (its buddy and source are alive and finish their part).

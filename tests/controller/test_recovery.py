@@ -110,30 +110,39 @@ def test_a_recovery_accounts_the_reads_no_record_reached(tmp_path):
     # finished step 8 (their snapshots hold it, so the recovery restored it) but were
     # interrupted before publishing its step record. The restored state includes every data
     # reader's step-8 reads, the survivors' as well as the dead worker's: each must be
-    # counted once, and a read that was reported must not be counted again.
+    # counted once, and a read that was reported must not be counted again. A joiner that
+    # never reported anything (its _seen is 0) must not make up reads of steps before it.
     from dynatrain.controller.core import JobController
     from dynatrain.controller.hardware import PROFILES
     from dynatrain.controller.job import load_job
-    from dynatrain.vps.layout import parse_layout
 
     job = load_job(_job(tmp_path, "dp=4"))
     gbs = job.global_batch_size
     ctl = JobController(job, rendezvous="127.0.0.1:1", profile=PROFILES["cpu"])
-    layout = parse_layout("dp=4").with_devices(range(4))
     per_rank = gbs // 4
     for step in range(1, 8):                  # steps 1-7 reported by every reader
         for j in range(4):
             start = (step - 1) * gbs + j * per_rank
-            ctl.progress.samples.append((start, start + per_rank))
-    ctl._seen = {d: 7 for d in range(4)}
-    ctl.progress.samples.append((7 * gbs + per_rank, 7 * gbs + 2 * per_rank))
-    ctl._seen[1] = 8                          # device 1 did report step 8
+            ctl.progress.reads.setdefault(step, {})[j] = (start, start + per_rank)
+    ctl.progress.reads[8] = {1: (7 * gbs + per_rank, 7 * gbs + 2 * per_rank)}
 
-    ctl._account_unreported_reads(layout, 8)
+    ctl._infer_unreported_reads(8)
 
-    counts = [0] * (8 * gbs)
-    for a, b in ctl.progress.samples:
-        for i in range(a, b):
-            counts[i] += 1
-    assert counts == [1] * (8 * gbs)
-    assert ctl._seen == {d: 8 for d in range(4)}
+    assert ctl.progress.audit(gbs, 8) == []
+    assert ctl.progress.inferred == {8: [(7 * gbs, 7 * gbs + per_rank),
+                                         (7 * gbs + 2 * per_rank, 8 * gbs)]}
+    assert sum(b - a for a, b in ctl.progress.samples) == 8 * gbs
+
+
+def test_the_data_audit_names_the_step_and_samples():
+    from dynatrain.controller.core import Progress
+
+    p = Progress()
+    p.reads = {1: {0: (0, 6), 1: (6, 12)},
+               2: {0: (12, 18), 1: (15, 21)},      # 15..18 twice, 21..24 never
+               3: {0: (24, 30)}}                   # 30..36 never
+    assert p.audit(12, 3) == ["step 2: samples [15, 18) read twice (again by device 1)",
+                              "step 2: samples [21, 24) never read",
+                              "step 3: samples [30, 36) never read"]
+    p.first_step = 3                               # a checkpoint's steps are not this run's
+    assert p.audit(12, 3) == []
