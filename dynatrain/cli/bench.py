@@ -120,10 +120,19 @@ def _register_chaos(bsub) -> None:
                    help="seconds before a trial counts as hung (default 240)")
     p.add_argument("--keep", metavar="DIR", help="keep every trial's logs and dumps in DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--overlap", type=int, default=0, metavar="N",
+                   help="instead: N random scenarios of overlapping events (notices, joins, "
+                        "requested layouts, kills, hangs a few steps apart), each judged "
+                        "against the job without events (losses, data read exactly once, "
+                        "requests answered, every event acted on within one step)")
     p.set_defaults(func=run_bench_chaos)
 
 
 def run_bench_chaos(args) -> int:
+    if args.overlap < 0:
+        raise UsageError(f"--overlap={args.overlap} must be >= 0")
+    if args.overlap:
+        return _run_overlap(args)
     if args.trials < 1:
         raise UsageError(f"--trials={args.trials} must be >= 1")
     if args.steps < 10:
@@ -140,3 +149,15 @@ def run_bench_chaos(args) -> int:
         brief = {k: v for k, v in out.items() if k != "results"}
         print(json.dumps(brief, indent=2))
     return 0 if out["hung"] == 0 and out["corrupted"] == 0 and out["errors"] == 0 else 1
+
+
+def _run_overlap(args) -> int:
+    from dynatrain.bench import overlap
+
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else print
+    out = overlap.bench_overlap(args.overlap, seed=args.seed, keep=args.keep, say=say)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=2))
+    return 0 if out["passed"] == out["trials"] else 1

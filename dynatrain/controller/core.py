@@ -152,6 +152,9 @@ class JobController:
         """The front end's ``intake()``: report the capacity signals that arrived (notices,
         exits, joins, requests) now. Called while a switch waits, so none waits behind it."""
         self.requests: list[LayoutRequest] = []
+        self.decisions: list[dict] = []
+        """Every switch or recovery started: the step it started at, why, and its target (how
+        late a signal was acted on is read from these)."""
         self.on_answer = None
         """Called with a :class:`LayoutRequest` whenever its answer changes (the operator's
         condition and Event; the log line is written here)."""
@@ -403,6 +406,11 @@ class JobController:
         self.job = self._auto_job or replace(self.job, layout=self.layout)
         self._auto_job = None
 
+    def _decided(self, reason: str, target: Layout) -> None:
+        self.decisions.append({"step": self.progress.step, "reason": reason,
+                               "to": target.to_text(), "devices": list(target.device_of),
+                               "time": time.time()})
+
     def _watch(self, phase: str) -> str | None:
         """While a switch waits: read progress, take in new signals, and say whether the
         switch in flight is now wrong (its Prepare is then aborted and re-planned)."""
@@ -535,6 +543,7 @@ class JobController:
         if self.before_switch is not None:
             self.before_switch(old, new, reason)
         involved = set(old.device_of if old else ()) | set(new.device_of)
+        self._decided(reason, new)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.generation += 1
             kw = {"checkpoint": self.resume_from} if old is None and self.resume_from else {}
@@ -591,6 +600,7 @@ class JobController:
             raise JobFailed(f"devices {list(failed)} failed and no layout fits the "
                             f"{len(self.usable)} devices left: {e}") from e
         new = decision.layout if decision is not None else old
+        self._decided("failure", new)
         holdings = {}
         for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of))
                         | (set(self.clients) & set(self.previous_devices))):

@@ -362,8 +362,9 @@ def _timeouts(r: _Reader, doc: dict) -> tuple[tuple[str, float], ...]:
         if not ok:
             r.problems.append(f"spec.recovery.timeouts.{a}={x:g} must be "
                               f"{'at most' if a == 'collectiveSeconds' else 'less than'} "
-                              f"{b}={y:g}: the hierarchy is "
-                              + " < ".join(TIMEOUT_FIELDS))
+                              f"{b}={y:g}: the hierarchy is statusSeconds < "
+                              "watchdogSeconds < collectiveSeconds <= prepareSeconds < "
+                              "commitSeconds < giveUpSeconds")
     return out
 
 

@@ -80,6 +80,8 @@ class RunResult:
     """Every requested layout and its answer (:class:`~.core.LayoutRequest`)."""
     events: list = field(default_factory=list)
     """Every scenario event: its step, and the step at which it was taken in."""
+    decisions: list = field(default_factory=list)
+    """Every switch or recovery the controller started (:attr:`.core.JobController.decisions`)."""
 
     def summary(self) -> dict:
         return {"job": self.job, "steps": self.steps, "final_loss": self.final_loss,
@@ -93,6 +95,7 @@ class RunResult:
                 "samples_inferred": self.samples_inferred,
                 "requests": [r.summary() for r in self.requests],
                 "events": self.events,
+                "decisions": self.decisions,
                 "wall_seconds": self.wall_seconds}
 
 
@@ -324,7 +327,9 @@ class LocalRunner:
             event = self.events.pop(0)
             self.event_log.append({"kind": event.kind, "at_step": event.at_step,
                                    "taken_step": c.progress.step,
-                                   "in_switch": c._in_switch is not None})
+                                   "workers": list(event.workers),
+                                   "in_switch": c._in_switch is not None,
+                                   "time": time.time()})
             self._apply(event)
 
     def _intake(self) -> None:
@@ -404,7 +409,7 @@ class LocalRunner:
                          time.monotonic() - self.t0, recoveries=self.controller.recoveries,
                          failures=self.failures, data_problems=problems,
                          samples_inferred=inferred, requests=list(self.controller.requests),
-                         events=self.event_log)
+                         events=self.event_log, decisions=self.controller.decisions)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -203,6 +203,10 @@ INVALID = [
          True),
     Case("recovery-mirror-not-bool", setting("spec.recovery", {"mirror": "yes"}),
          "spec.recovery.mirror", True),
+    Case("timeouts-out-of-order", setting("spec.recovery", {"timeouts": {
+         "watchdogSeconds": 90}}), "spec.recovery.timeouts", True),
+    Case("timeouts-negative", setting("spec.recovery", {"timeouts": {"statusSeconds": -1}}),
+         "spec.recovery.timeouts.statusSeconds", True),
     Case("name-not-dns-label", setting("metadata.name", "7b.job"), "metadata.name", False),
 ]
 
@@ -238,6 +242,8 @@ VALID = {
     "agent-port-1024": setting("spec.agent.port", 1024),
     "checkpoint-path-lookalike": setting("spec.checkpoint.path", "/etcetera/proc/"),
     "checkpoint-path-var-runner": setting("spec.checkpoint.path", "/var/runner"),
+    # A shorter watchdog, the rest of the hierarchy from the defaults.
+    "timeouts-watchdog-only": setting("spec.recovery", {"timeouts": {"watchdogSeconds": 5}}),
 }
 
 
