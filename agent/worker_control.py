@@ -288,7 +288,8 @@ class WorkerControl:
                 step=self.trainer.step if self.trainer else 0,
                 data_position=self.trainer.position if self.trainer else 0,
                 last_switch=self.last_switch, error=self.error,
-                tokens_per_second=self.tokens_per_second)
+                tokens_per_second=self.tokens_per_second,
+                collective_wait_seconds=abandon.longest_wait())
             if p is not None:
                 out.prepared_generation = p.generation
                 out.prepared_layout = p.layout.to_text()

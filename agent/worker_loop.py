@@ -56,6 +56,7 @@ class Worker(WorkerControl):
                         pass
                     return 0
                 continue
+            faults.inject("step", self.device)       # a hang here answers Status still
             try:
                 result = self.trainer.train_step(
                     signal_value, self.redundancy.wait_mirror if self.redundancy else None)

@@ -30,7 +30,8 @@ class GenerationAbandoned(RuntimeError):
 SPIN_SECONDS = 50e-6
 _lock = threading.Lock()
 _reason: str | None = None
-_waiting: set[threading.Event] = set()
+_waiting: dict[threading.Event, float] = {}
+"""Every wait in progress, with its start (monotonic): :func:`longest_wait` reports it."""
 
 
 def abandon(reason: str) -> None:
@@ -40,6 +41,15 @@ def abandon(reason: str) -> None:
         _reason = reason
         for ev in _waiting:
             ev.set()
+
+
+def longest_wait() -> float:
+    """Seconds the oldest wait in progress has lasted (0: none). A worker that makes no
+    progress while its peers wait for it this long is the one that hangs (the controller's
+    watchdog reads this through Status)."""
+    with _lock:
+        oldest = min(_waiting.values(), default=None)
+    return 0.0 if oldest is None else time.monotonic() - oldest
 
 
 def reset() -> None:
@@ -137,7 +147,7 @@ def _helper() -> _Helper:
 def _sleep_until(add_done_callback) -> None:
     ev = threading.Event()
     with _lock:
-        _waiting.add(ev)
+        _waiting[ev] = time.monotonic()
         if _reason is not None:
             ev.set()
     try:
@@ -146,4 +156,4 @@ def _sleep_until(add_done_callback) -> None:
         ev.wait()
     finally:
         with _lock:
-            _waiting.discard(ev)
+            _waiting.pop(ev, None)

@@ -7,6 +7,8 @@ again (mode ``hang``):
 - ``at:round`` (the default; with ``round:R``): on reaching network round R of a transfer;
 - ``at:transfer``: as a switch's transfer starts;
 - ``at:prepare``: inside the background preparation of a generation;
+- ``at:step``: before each training step (``skip:N`` lets N steps pass; with ``mode:hang``
+  the training thread stops while the agent still answers Status: the watchdog's other case);
 - ``at:switched``: once a switch built this device's trainer of the new generation, before
   its first snapshot (a member that just joined dies holding state no one mirrors yet).
 

@@ -169,6 +169,8 @@ class JobController:
         """Leavers of the switch in flight that exited (see :meth:`fail_device`)."""
         self._last_step_at = time.monotonic()
         """When the job last trained a step (or switched): the give-up clock."""
+        self._step_seconds = 0.0
+        """The latest step's duration (the watchdog waits at least three of them)."""
         self._last_answer: dict[int, float] = {}
         """Device -> monotonic time of its last answered Status (the watchdog's clock)."""
 
@@ -441,7 +443,7 @@ class JobController:
         ``judge=False`` (while a switch runs: a leaver exits as it ends, and the switch
         watches its devices itself) only reads progress."""
         p = self.progress
-        states = []
+        states, waits = [], {}
         now = time.monotonic()
         for d in self.members:
             if d in self.failed or d not in self.clients:
@@ -465,9 +467,12 @@ class JobController:
             if st.state == State.FAILED and judge:
                 raise JobFailed(f"device {d} failed: {st.error}")
             states.append(st.state)
+            if st.state == State.TRAINING:
+                waits[d] = st.collective_wait_seconds
             self._ingest(d, st)
         if not judge:
             return p
+        self._find_hung(waits)
         if State.INTERRUPTED in states:
             if self.interrupted_since is None:
                 self.interrupted_since = time.monotonic()
@@ -476,6 +481,25 @@ class JobController:
         if states and not self.failed:
             p.finished = all(s == State.FINISHED for s in states)
         return p
+
+    def _find_hung(self, waits: dict[int, float]) -> None:
+        """The watchdog's second case: members that answer Status but make no progress. When
+        the job has trained no step for the watchdog's time (or three steps' time, if steps
+        are longer), the members that have waited in a collective for half of it are waiting
+        for the ones that wait for nothing: those hang (stuck outside any collective) and are
+        declared failed. When every member waits, the hang is inside the collectives and no
+        one can be blamed: the collective timeout ends it."""
+        limit = max(self.timeouts.watchdog_s, 3 * self._step_seconds)
+        stalled = time.monotonic() - self._last_step_at
+        if stalled < limit or self.layout is None:
+            return
+        waiting = sorted(d for d, w in waits.items() if w >= limit / 2)
+        idle = sorted(d for d, w in waits.items() if w < 1.0)
+        if not waiting or not idle:
+            return
+        for d in idle:
+            self.fail_device(d, f"hung: no step for {stalled:.1f} s while devices {waiting} "
+                                f"wait for it in a collective (watchdog {limit:g} s)")
 
     def _interrupted_long_enough(self) -> bool:
         return (self.interrupted_since is not None
@@ -495,6 +519,7 @@ class JobController:
             if rec.step >= p.step:
                 if rec.step > p.step:
                     self._last_step_at = time.monotonic()
+                    self._step_seconds = rec.seconds
                 p.step, p.loss, p.tokens_per_second = rec.step, rec.loss, rec.tokens_per_second
 
     def _drop_unreachable(self, devices) -> bool:

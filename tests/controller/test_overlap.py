@@ -76,6 +76,20 @@ def test_a_hung_worker_is_declared_failed_and_recovered_like_a_dead_one(tmp_path
     assert out["wall"] < reference["wall"] + 30
 
 
+def test_a_worker_that_hangs_but_answers_status_is_found_by_its_waiting_peers(tmp_path,
+                                                                              reference):
+    # The training thread of device 1 stops before its 11th step while its agent answers
+    # Status: no exit, no missed call. Its peers wait for it in the step's all-reduce; the
+    # watchdog blames the member that waits for nothing.
+    out = run(tmp_path, "stuck", {"initialWorkers": 3, "events": []},
+              env={"DYNATRAIN_FAULT": "device:1,at:step,mode:hang,skip:10"})
+    check_run(out, reference)
+    assert "wait for it in a collective" in out["stdout"]
+    (rec,) = out["recoveries"]
+    assert rec["workers_after"] == 2 and rec["phases"]["restored_step"] == 10
+    assert out["wall"] < reference["wall"] + 30
+
+
 def test_a_member_that_just_joined_is_not_the_single_point_of_loss(tmp_path, reference):
     # A pipeline grows by a stage; the joiner dies as the switch ends, before it mirrored the
     # stage it now holds alone. The running generation has no whole copy of any step: the
