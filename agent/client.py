@@ -123,10 +123,11 @@ class AgentClient:
             generation=generation, at_step=at_step, timeout_seconds=timeout_s),
             switch_timeout + self.timeout_s)
 
-    def abort(self, generation: int, reason: str) -> bool:
+    def abort(self, generation: int, reason: str, *,
+              timeout_s: float | None = None) -> bool:
         """Drop the prepared ``generation``; False when the agent had nothing prepared."""
         return self._call("Abort", lambda: agent_pb2.AbortRequest(
-            generation=generation, reason=reason), self.timeout_s).aborted
+            generation=generation, reason=reason), timeout_s or self.timeout_s).aborted
 
     def status(self, since_step: int = 0, *,
                timeout_s: float | None = None) -> agent_pb2.StatusResponse:

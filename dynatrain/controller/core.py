@@ -173,6 +173,8 @@ class JobController:
         """The latest step's duration (the watchdog waits at least three of them)."""
         self._last_answer: dict[int, float] = {}
         """Device -> monotonic time of its last answered Status (the watchdog's clock)."""
+        self._misses: dict[int, int] = {}
+        """Device -> Status calls it missed in a row (a suspect: no switch starts with it)."""
 
     # -- capacity ------------------------------------------------------------------------------
     def add_device(self, device: int, client: AgentClient) -> None:
@@ -194,6 +196,7 @@ class JobController:
                 client.close()
         self.doomed.pop(device, None)
         self._last_answer.pop(device, None)
+        self._misses.pop(device, None)
         self._report_workers()
 
     def fail_device(self, device: int, why: str) -> None:
@@ -371,6 +374,9 @@ class JobController:
             if not self.recover_in_memory:
                 return None          # the front end restarts the job (checkpoint-and-restart)
             return self._recover()
+        suspects = sorted(d for d in self.members if self._misses.get(d))
+        if suspects and not set(self.doomed) & set(self.members):
+            return None          # the watchdog decides about them first (a switch would wait)
         req = self.pending_request()
         try:
             decision = self.policy.decide(self.job, self.profile, self.layout, self.usable,
@@ -425,6 +431,9 @@ class JobController:
         lost = sorted(d for d in involved if d not in self.clients or d in self.failed)
         if lost:
             return f"device(s) {lost} lost"
+        silent = sorted(d for d in involved if self._misses.get(d, 0) >= 2)
+        if silent:
+            return f"device(s) {silent} stopped answering Status"
         doomed = sorted(set(new.device_of) & set(self.doomed))
         if doomed:
             return f"preemption notice for device(s) {doomed}, which the target uses"
@@ -452,6 +461,8 @@ class JobController:
                 st = self.clients[d].status(since_step=self._seen.get(d, 0),
                                             timeout_s=self.timeouts.status_s)
             except AgentCallError as e:
+                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._misses[d] = self._misses.get(d, 0) + 1
                 if not judge:
                     continue
                 silent = now - self._last_answer.setdefault(d, now)
@@ -464,6 +475,7 @@ class JobController:
                     self.fail_device(d, f"stopped answering: {e}")
                 continue
             self._last_answer[d] = time.monotonic()
+            self._misses.pop(d, None)
             if st.state == State.FAILED and judge:
                 raise JobFailed(f"device {d} failed: {st.error}")
             states.append(st.state)

@@ -244,10 +244,10 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
         pool.shutdown(wait=False)   # a commit still waiting ends when its agent gives up
 
 
-def _abort(clients, members, generation: int, reason: str) -> None:
+def _abort(clients, members, generation: int, reason: str, timeout_s: float = 5.0) -> None:
     def abort(d):
-        try:
-            clients[d].abort(generation, reason)
+        try:   # a hung agent must not hold up the others' abort (nor the next decision)
+            clients[d].abort(generation, reason, timeout_s=timeout_s)
         except AgentCallError:
             pass   # an agent that cannot be reached has nothing prepared that matters
 
