@@ -19,7 +19,7 @@ reason, superseded, or refused with the solver's reason.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -33,6 +33,7 @@ from .hardware import DeviceProfile
 from .job import JobSpec
 from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
 from .policy import Policy
+from .progress import Progress
 
 State = pb.StatusResponse.State
 VOLUNTARY = ("scale-up", "better-layout")
@@ -62,56 +63,6 @@ class LayoutRequest:
     def summary(self) -> dict:
         return {"layout": self.layout.to_text(), "step": self.step, "state": self.state,
                 "answer": self.answer, "applied_step": self.applied_step}
-
-
-@dataclass
-class Progress:
-    step: int = 0
-    loss: float | None = None
-    tokens_per_second: float = 0.0
-    losses: dict[int, float] = field(default_factory=dict)
-    reads: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
-    """step -> {device: [begin, end)}: the samples each data reader reported reading for that
-    step (a step trained again after a recovery replaces its reads)."""
-    inferred: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    """step -> samples no reader's report covers, but that the restored state proves were
-    consumed (a reader died before reporting them); kept apart from ``reads``."""
-    finished: bool = False
-    first_step: int = 0
-    """The step the job started from (a checkpoint's); samples before it are not this run's."""
-
-    @property
-    def samples(self) -> list[tuple[int, int]]:
-        """Every [begin, end) read, reported or inferred, in step order."""
-        out = []
-        for k in sorted(set(self.reads) | set(self.inferred)):
-            out.extend(sorted(self.reads.get(k, {}).values()))
-            out.extend(self.inferred.get(k, []))
-        return out
-
-    def audit(self, global_batch_size: int, last_step: int) -> list[str]:
-        """Each step's global batch must be read exactly once: steps ``first_step+1 ..
-        last_step``, step k owning samples [(k-1)*gbs, k*gbs). Returns the discrepancies,
-        each naming the step and the samples (empty: exactly once)."""
-        problems = []
-        for k in range(self.first_step + 1, last_step + 1):
-            lo, hi = (k - 1) * global_batch_size, k * global_batch_size
-            got = sorted([(b, e, f"device {d}") for d, (b, e) in self.reads.get(k, {}).items()]
-                         + [(b, e, "inferred") for b, e in self.inferred.get(k, [])])
-            at = lo
-            for b, e, who in got:
-                if b < lo or e > hi:
-                    problems.append(f"step {k}: {who} read samples [{b}, {e}), outside the "
-                                    f"step's batch [{lo}, {hi})")
-                elif b < at:
-                    problems.append(f"step {k}: samples [{b}, {min(e, at)}) read twice "
-                                    f"(again by {who})")
-                elif b > at:
-                    problems.append(f"step {k}: samples [{at}, {b}) never read")
-                at = max(at, min(e, hi))
-            if at < hi:
-                problems.append(f"step {k}: samples [{at}, {hi}) never read")
-        return problems
 
 
 class JobController:
@@ -773,7 +724,8 @@ class JobController:
         seen = []
         for d in sorted(self.clients):
             try:
-                st = self.clients[d].status(since_step=1 << 62)
+                st = self.clients[d].status(since_step=1 << 62,
+                                            timeout_s=self.timeouts.status_s)
             except AgentCallError:
                 continue
             if st.layout and st.state in (State.TRAINING, State.FINISHED, State.INTERRUPTED):
@@ -811,7 +763,8 @@ class JobController:
         for d in sorted(set(old.device_of if old else ()) - set(new.device_of) - self.failed):
             try:
                 if d in self.clients:
-                    self._ingest(d, self.clients[d].status(since_step=self._seen.get(d, 0)))
+                    self._ingest(d, self.clients[d].status(since_step=self._seen.get(d, 0),
+                                                           timeout_s=self.timeouts.status_s))
             except AgentCallError:
                 pass
         self.previous_devices = tuple(old.device_of) if old is not None else ()

@@ -135,7 +135,7 @@ def test_a_recovery_accounts_the_reads_no_record_reached(tmp_path):
 
 
 def test_the_data_audit_names_the_step_and_samples():
-    from dynatrain.controller.core import Progress
+    from dynatrain.controller.progress import Progress
 
     p = Progress()
     p.reads = {1: {0: (0, 6), 1: (6, 12)},

@@ -84,6 +84,12 @@ def test_an_unfit_spec_is_named_and_a_fixed_one_runs_without_a_restart(
         "spec": {"parallelism": {"layout": "dp=1,tp=2,pp=1"}}})
     wait("the requested layout", running("dp=1,tp=2,pp=1"), timeout=120)
     assert condition(custom, namespace, "fixme", "SpecValid")["status"] == "True"
+    # ... and the request is answered, in a condition and an Event.
+    req = wait("the LayoutRequest condition", lambda: (
+        lambda c: c if c and c["reason"] == "Applied" else None)(
+        condition(custom, namespace, "fixme", "LayoutRequest")), timeout=30)
+    assert req["status"] == "True" and "dp=1,tp=2,pp=1: applied at step" in req["message"]
+    assert "LayoutRequestApplied" in [e.reason for e in events(core, namespace, "fixme")]
     assert op.starts == 1 and op.proc.poll() is None
     kubectl("delete", "dynatrainjob", "fixme", "-n", namespace, "--wait=false")
 

@@ -1,0 +1,64 @@
+"""A job's progress as the controller sees it: steps, losses, and every sample each data reader
+read, audited for exactly-once.
+
+Readers report their reads with each step's record (``StepRecord.sample_begin/end``); they are
+kept per step and per device, so a step trained again after a recovery replaces its reads
+instead of adding to them, and :meth:`Progress.audit` can say, for every step, which samples
+were never read or read twice. Samples that no report covers but that a restored state proves
+were consumed (their reader died before its last report was read) are kept apart as
+*inferred*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    loss: float | None = None
+    tokens_per_second: float = 0.0
+    losses: dict[int, float] = field(default_factory=dict)
+    reads: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    """step -> {device: [begin, end)}: the samples each data reader reported reading for that
+    step (a step trained again after a recovery replaces its reads)."""
+    inferred: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """step -> samples no reader's report covers, but that the restored state proves were
+    consumed (a reader died before reporting them); kept apart from ``reads``."""
+    finished: bool = False
+    first_step: int = 0
+    """The step the job started from (a checkpoint's); samples before it are not this run's."""
+
+    @property
+    def samples(self) -> list[tuple[int, int]]:
+        """Every [begin, end) read, reported or inferred, in step order."""
+        out = []
+        for k in sorted(set(self.reads) | set(self.inferred)):
+            out.extend(sorted(self.reads.get(k, {}).values()))
+            out.extend(self.inferred.get(k, []))
+        return out
+
+    def audit(self, global_batch_size: int, last_step: int) -> list[str]:
+        """Each step's global batch must be read exactly once: steps ``first_step+1 ..
+        last_step``, step k owning samples [(k-1)*gbs, k*gbs). Returns the discrepancies,
+        each naming the step and the samples (empty: exactly once)."""
+        problems = []
+        for k in range(self.first_step + 1, last_step + 1):
+            lo, hi = (k - 1) * global_batch_size, k * global_batch_size
+            got = sorted([(b, e, f"device {d}") for d, (b, e) in self.reads.get(k, {}).items()]
+                         + [(b, e, "inferred") for b, e in self.inferred.get(k, [])])
+            at = lo
+            for b, e, who in got:
+                if b < lo or e > hi:
+                    problems.append(f"step {k}: {who} read samples [{b}, {e}), outside the "
+                                    f"step's batch [{lo}, {hi})")
+                elif b < at:
+                    problems.append(f"step {k}: samples [{b}, {min(e, at)}) read twice "
+                                    f"(again by {who})")
+                elif b > at:
+                    problems.append(f"step {k}: samples [{at}, {b}) never read")
+                at = max(at, min(e, hi))
+            if at < hi:
+                problems.append(f"step {k}: samples [{at}, {hi}) never read")
+        return problems
