@@ -75,7 +75,7 @@ class Timeouts:
     status_s: float = 2.0
     """Deadline of one Status or health call: an agent that does not answer within it missed
     one (a loaded machine can be slow: one miss is not a failure)."""
-    watchdog_s: float = 10.0
+    watchdog_s: float = 8.0
     """A member that answers no Status for this long (a hung or stopped process), or that
     makes no progress this long while its peers wait for it in a collective, is declared
     failed and recovered like a dead one."""
