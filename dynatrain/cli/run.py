@@ -24,6 +24,10 @@ A scenario lists capacity changes by step (see examples/scenario.yaml):
     - {atStep: 15, preempt: {workers: [3], noticeSeconds: 30}}
     - {atStep: 30, join: 1}
     - {atStep: 45, layout: "dp=1,tp=2,pp=2"}
+    - {atStep: 50, kill: {workers: [1]}}     # no notice: recovered from memory
+    - {atStep: 60, hang: {workers: [2]}}     # SIGSTOP: found by the watchdog
+Timeouts (spec.recovery.timeouts, seconds): statusSeconds 2 < watchdogSeconds 8 <
+collectiveSeconds 60 <= prepareSeconds 60 < commitSeconds 120 < giveUpSeconds 600.
 """
 
 
