@@ -200,6 +200,7 @@ def bench_overlap(trials: int, *, seed: int = 0, steps: int = STEPS, timeout_s: 
             "from_checkpoint": sum(1 for r in out.get("recoveries", [])
                                    if r["phases"].get("from_checkpoint")),
             "requests": [r["state"] for r in out.get("requests", [])],
+            "events_in_switch": sum(1 for ev in out.get("events", []) if ev["in_switch"]),
             "max_intake_steps_late": max(late, default=0), "decision_steps": acted,
             "samples_inferred": out.get("samples_inferred", 0),
             "wall_seconds": round(out["wall"], 1)})
@@ -209,6 +210,7 @@ def bench_overlap(trials: int, *, seed: int = 0, steps: int = STEPS, timeout_s: 
     walls = [r["wall_seconds"] for r in results]
     return {"trials": trials, "passed": sum(r["passed"] for r in results),
             "events": sum(len(r["events"]) for r in results),
+            "events_in_switch": sum(r["events_in_switch"] for r in results),
             "recoveries": sum(r["recoveries"] for r in results),
             "recoveries_from_checkpoint": sum(r["from_checkpoint"] for r in results),
             "requests_answered": sum(len(r["requests"]) for r in results),
