@@ -238,22 +238,24 @@ class Worker(WorkerControl):
                 self.metrics.set_layout(p.layout)
             self.metrics.set_generation(p.generation)
             self.wake.notify_all()
-        for kept in [old_previous.redundancy if old_previous else None, old_redundancy]:
-            if kept is None:
-                continue
-            if restoring:
-                # The abandoned generation's mirror exchange may wait on a dead or stuck
-                # peer: closing it would hold this reply (and the new generation's first
-                # step, on every peer) for the old group's timeout.
-                self._graveyard.append(kept.drop())
-            elif kept is old_redundancy and trainer is not None:
-                # A planned switch: the generation it left stays restorable until this one
-                # is (a member that just joined must not be the single point of loss).
-                kept.settle()
-                with self.lock:
-                    self.previous = Previous(old_generation, old_layout, kept, step + 2)
-            else:
-                kept.close()
+        held = [r for r in (old_previous.redundancy if old_previous else None,
+                            old_redundancy) if r is not None]
+        if restoring:
+            # The abandoned generations' mirror exchanges may wait on a dead or stuck peer:
+            # closing them would hold this reply (and the new generation's first step, on
+            # every peer) for the old group's timeout.
+            self._graveyard.extend(r.drop() for r in held)
+        elif old_redundancy is not None and trainer is not None:
+            # A planned switch: the generation it left stays restorable until this one is
+            # (a member that just joined must not be the single point of loss).
+            if old_previous is not None:
+                old_previous.redundancy.close()
+            old_redundancy.settle()
+            with self.lock:
+                self.previous = Previous(old_generation, old_layout, old_redundancy, step + 2)
+        else:
+            for r in held:
+                r.close()
         if trainer is not None and (p.recovery is not None or p.checkpoint):
             _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)

@@ -364,20 +364,38 @@ class JobRuntime:
             self.log(f"job {self.name}: {kind} {name} updated to the spec")
 
     # -- one tick ---------------------------------------------------------------------------------
-    def _intake(self) -> None:
-        """The controller calls this while a switch waits: pods gone, notices and new agents
-        from the shared watch (a cache read), so no signal waits behind the switch."""
+    def _observe(self):
+        """(nodes, this job's worker pods) from the shared watch: a cache read."""
         nodes = {n.metadata.name: k.read_node(n) for n in self.view.nodes()}
-        self._take_in(self._workers(nodes, time.monotonic()))
+        return nodes, self._workers(nodes, time.monotonic())
+
+    def _intake(self) -> None:
+        """The controller calls this while a switch waits: pods gone, notices and new agents,
+        so no signal waits behind the switch."""
+        self._take_in(self._observe()[1])
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        nodes = {n.metadata.name: k.read_node(n) for n in self.view.nodes()}
-        workers = self._workers(nodes, now)
+        nodes, workers = self._observe()
         self._take_in(workers)
         if not self.over:
             self._scale(workers, nodes)
-        self._tick_rest(workers)
+        c = self.controller
+        if not self.adopted:
+            if not self._ready_to_start(workers):
+                self.phase = "Pending"
+                return
+            self.adopted = True
+            self.log(f"job {self.name}: {c.adopt()}")
+        record = c.tick()
+        if record is not None:
+            self._switched(record, workers)
+        if c.progress.finished:
+            self.over = True
+            self.phase = "Succeeded"
+            self._event("Normal", "Succeeded", f"trained {c.progress.step} steps")
+            self._delete_all_pods("the job succeeded")
+        else:
+            self.phase = "Running"
 
     def _take_in(self, workers) -> None:
         """Capacity signals from the worker pods: gone, unhealthy, doomed, newly up."""
@@ -414,25 +432,6 @@ class JobRuntime:
                                             self._generation())
                 else:
                     agent.close()
-
-    def _tick_rest(self, workers) -> None:
-        c = self.controller
-        if not self.adopted:
-            if not self._ready_to_start(workers):
-                self.phase = "Pending"
-                return
-            self.adopted = True
-            self.log(f"job {self.name}: {c.adopt()}")
-        record = c.tick()
-        if record is not None:
-            self._switched(record, workers)
-        if c.progress.finished:
-            self.over = True
-            self.phase = "Succeeded"
-            self._event("Normal", "Succeeded", f"trained {c.progress.step} steps")
-            self._delete_all_pods("the job succeeded")
-        else:
-            self.phase = "Running"
 
     def _workers(self, nodes, now: float) -> dict[int, k.WorkerPod]:
         """This job's worker pods by device, from the watch (pods of a previous job of the

@@ -60,6 +60,11 @@ class LayoutRequest:
     answer: str = ""
     applied_step: int | None = None
 
+    @property
+    def open(self) -> bool:
+        """Not yet applied, superseded or refused."""
+        return self.state in ("pending", "waiting")
+
     def summary(self) -> dict:
         return {"layout": self.layout.to_text(), "step": self.step, "state": self.state,
                 "answer": self.answer, "applied_step": self.applied_step}
@@ -185,7 +190,7 @@ class JobController:
         """A user asked for this layout (``parallelism.mode: fixed``). It is applied at the
         next decision, or answered with why not (:attr:`requests`)."""
         for old in self.requests:
-            if old.state in ("pending", "waiting"):
+            if old.open:
                 self._answer(old, "superseded", f"superseded by the request for "
                              f"{layout.to_text()}")
         if self._auto_job is None and self.job.mode != "fixed":
@@ -212,12 +217,11 @@ class JobController:
         elif job.mode != "fixed":
             self._auto_job = None
             for req in self.requests:
-                if req.state in ("pending", "waiting"):
+                if req.open:
                     self._answer(req, "superseded", "withdrawn: parallelism.mode is auto again")
 
     def pending_request(self) -> LayoutRequest | None:
-        return next((r for r in reversed(self.requests) if r.state in ("pending", "waiting")),
-                    None)
+        return next((r for r in reversed(self.requests) if r.open), None)
 
     def _answer(self, req: LayoutRequest, state: str, text: str, *,
                 step: int | None = None) -> None:
@@ -229,6 +233,11 @@ class JobController:
         self.log(f"layout request {req.layout.to_text()}: {state}: {text}")
         if self.on_answer is not None:
             self.on_answer(req)
+
+    @property
+    def switching(self) -> bool:
+        """A switch or recovery is in flight (signals are taken in meanwhile)."""
+        return self._in_switch is not None
 
     @property
     def usable(self) -> list[int]:
@@ -312,7 +321,7 @@ class JobController:
         self.poll()
         if self.progress.finished:
             for req in self.requests:
-                if req.state in ("pending", "waiting"):
+                if req.open:
                     self._answer(req, "refused", f"not applied: the job finished at step "
                                  f"{self.progress.step} first ({req.answer})")
             return None
@@ -356,8 +365,6 @@ class JobController:
                          f"{len(self.usable)} usable: applied when capacity allows")
         elif decision is not None:
             self._answer(req, "pending", f"after the {decision.reason} switch in progress")
-        elif self.progress.step >= self.job.training.steps:
-            self._answer(req, "refused", "the job has finished")
 
     def _refuse(self, req: LayoutRequest, why: str) -> None:
         self._answer(req, "refused", why)
@@ -412,18 +419,15 @@ class JobController:
                 st = self.clients[d].status(since_step=self._seen.get(d, 0),
                                             timeout_s=self.timeouts.status_s)
             except AgentCallError as e:
-                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                slow = e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                if slow:
                     self._misses[d] = self._misses.get(d, 0) + 1
-                if not judge:
-                    continue
                 silent = now - self._last_answer.setdefault(d, now)
-                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    if silent < self.timeouts.watchdog_s:
-                        continue                 # slow, or hung: the watchdog decides
+                if judge and not slow:
+                    self.fail_device(d, f"stopped answering: {e}")
+                elif judge and silent >= self.timeouts.watchdog_s:   # the watchdog's call
                     self.fail_device(d, f"hung: no answer to Status for {silent:.1f} s "
                                         f"(watchdog {self.timeouts.watchdog_s:g} s)")
-                else:
-                    self.fail_device(d, f"stopped answering: {e}")
                 continue
             self._last_answer[d] = time.monotonic()
             self._misses.pop(d, None)
@@ -590,8 +594,8 @@ class JobController:
         new = decision.layout if decision is not None else old
         self._decided("failure", new)
         holdings = {}
-        for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of))
-                        | (set(self.clients) & set(self.previous_devices))):
+        for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of)
+                                             | set(self.previous_devices))):
             try:
                 holdings[d] = self.clients[d].status(since_step=self._seen.get(d, 0),
                                                      timeout_s=self.timeouts.watchdog_s)
@@ -695,25 +699,10 @@ class JobController:
         all-reduced the gradients of its whole global batch: so every sample of those steps
         was read, whether or not its reader's report reached the controller (a device that
         died between finishing a step and the next Status poll takes its last records with
-        it). Samples no report covers are kept as *inferred*, apart from the reported reads,
-        and named in the log; the audit counts them once."""
-        gbs = self.job.global_batch_size
-        p = self.progress
-        for k in range(p.first_step + 1, step + 1):
-            lo, hi = (k - 1) * gbs, k * gbs
-            at, gaps = lo, []
-            for b, e in sorted(p.reads.get(k, {}).values()):
-                if b > at:
-                    gaps.append((at, min(b, hi)))
-                at = max(at, e)
-            if at < hi:
-                gaps.append((at, hi))
-            known = p.inferred.get(k, [])
-            gaps = [g for g in gaps if g not in known]
-            if gaps:
-                p.inferred[k] = known + gaps
-                self.log(f"step {k}: samples {gaps} were read by a device that failed before "
-                         f"reporting them; counted from the restored state of step {step}")
+        it). Such samples are kept apart as *inferred* and named in the log."""
+        for k, gaps in self.progress.infer(step, self.job.global_batch_size).items():
+            self.log(f"step {k}: samples {gaps} were read by a device that failed before "
+                     f"reporting them; counted from the restored state of step {step}")
 
     def _reconcile(self) -> bool:
         """A switch the controller saw fail may have completed on every survivor (the device

@@ -328,7 +328,7 @@ class LocalRunner:
             self.event_log.append({"kind": event.kind, "at_step": event.at_step,
                                    "taken_step": c.progress.step,
                                    "workers": list(event.workers),
-                                   "in_switch": c._in_switch is not None,
+                                   "in_switch": c.switching,
                                    "time": time.time()})
             self._apply(event)
 

@@ -56,9 +56,35 @@ class Progress:
                 elif b < at:
                     problems.append(f"step {k}: samples [{b}, {min(e, at)}) read twice "
                                     f"(again by {who})")
-                elif b > at:
-                    problems.append(f"step {k}: samples [{at}, {b}) never read")
                 at = max(at, min(e, hi))
-            if at < hi:
-                problems.append(f"step {k}: samples [{at}, {hi}) never read")
+            problems += [f"step {k}: samples [{a}, {b}) never read"
+                         for a, b in _gaps([(b, e) for b, e, _ in got], lo, hi)]
         return problems
+
+    def infer(self, step: int, global_batch_size: int) -> dict[int, list[tuple[int, int]]]:
+        """Record as *inferred* every sample of steps up to ``step`` that no report (nor an
+        earlier inference) covers: the caller knows the state of ``step`` was restored, so
+        every one of them was consumed. Returns what it added, by step."""
+        added = {}
+        for k in range(self.first_step + 1, step + 1):
+            lo, hi = (k - 1) * global_batch_size, k * global_batch_size
+            known = self.inferred.get(k, [])
+            gaps = _gaps(list(self.reads.get(k, {}).values()) + known, lo, hi)
+            if gaps:
+                self.inferred[k] = known + gaps
+                added[k] = gaps
+        return added
+
+
+def _gaps(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) that no span covers."""
+    gaps, at = [], lo
+    for b, e in sorted(spans):
+        if b > at:
+            gaps.append((at, min(b, hi)))
+        at = max(at, e)
+        if at >= hi:
+            break
+    if at < hi:
+        gaps.append((at, hi))
+    return [(a, b) for a, b in gaps if a < b]

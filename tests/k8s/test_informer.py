@@ -118,12 +118,7 @@ def test_job_pod_lifecycle_and_indexes(view, core, namespace, gpu_node):
                    and "w0" not in in_namespace(view.pods_on_nodes(), namespace))
         assert "plain" in in_namespace(view.pods_on_nodes(), namespace)
     finally:
-        for name in ("w0", "plain"):
-            try:
-                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
-            except client.ApiException as e:
-                if e.status != 404:
-                    raise
+        _delete_pods(core, namespace, ("w0", "plain"))
     eventually("every pod of the namespace gone",
                lambda: not in_namespace(view.pods_on_nodes(), namespace))
 
@@ -294,12 +289,7 @@ def test_410_gone_relists_and_the_view_catches_up(devcluster, core, namespace, g
     finally:
         release.set()
         v.stop()
-    for name in ("a", "c"):
-        try:
-            core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
+    _delete_pods(core, namespace, ("a", "c"))
 
     # An ERROR event with 410 that reaches the handler (a client that passes errors on) is a
     # Gone as well; another code is an error.
@@ -351,3 +341,13 @@ def test_a_failing_watch_keeps_saying_so():
         assert any("listing nodes failed (3 in a row)" in line for line in logs), logs
     finally:
         v.stop()
+
+
+def _delete_pods(core, namespace: str, names) -> None:
+    """Delete these pods now; one already gone is fine."""
+    for name in names:
+        try:
+            core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
