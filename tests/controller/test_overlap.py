@@ -70,7 +70,7 @@ def test_a_hung_worker_is_declared_failed_and_recovered_like_a_dead_one(tmp_path
     assert "hung: no answer to Status" in out["stdout"]
     assert "declared failed by the controller; killed" in out["stdout"]
     (rec,) = out["recoveries"]
-    assert rec["to"].startswith("dp=2")
+    assert rec["workers_after"] == 2        # the layout for two is the solver's (measured cores)
     # found by the watchdog (4 s here), not by a collective's 60-second timeout
     assert rec["phases"]["restored_step"] >= 8
     assert out["wall"] < reference["wall"] + 30
