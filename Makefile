@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PHASE  := tools/phase
 
-.PHONY: setup demo test go-tools bench bench-smoke clean
+.PHONY: setup demo test go-tools bench bench-smoke gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,12 @@ bench: setup
 	$(BIN)/dynatrain bench chaos --trials 10 --restart-trials 3
 	$(BIN)/python benchmarks/switch_speed.py
 	$(BIN)/python benchmarks/operator_scale.py --jobs 20 --seconds 60
+
+# On a machine with an NVIDIA GPU: the CUDA paths (training, the engine's local copies and
+# adoption, pinned snapshots, DCP, a live switch under `dynatrain run`) pass or fail, and a
+# local-only switch's pause is printed against the GPU's memcpy floor. Exit 2 without CUDA.
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -81,8 +81,12 @@ def by_label(m: dict, name: str, label: str) -> dict[str, float]:
 def quantile_bound(before: dict, after: dict, q: float) -> float | None:
     """The upper bound of the histogram bucket holding quantile q of the window's passes."""
     name = "dynatrain_operator_reconcile_seconds_bucket"
-    buckets = sorted((float(dict(ls)["le"]), v - before.get((n, ls), 0.0))
-                     for (n, ls), v in after.items() if n == name)
+    per_le: dict[float, float] = {}        # summed over the jobs (one histogram per job)
+    for (n, ls), v in after.items():
+        if n == name:
+            le = float(dict(ls)["le"])
+            per_le[le] = per_le.get(le, 0.0) + v - before.get((n, ls), 0.0)
+    buckets = sorted(per_le.items())
     count = buckets[-1][1] if buckets else 0
     if not count:
         return None
@@ -156,7 +160,8 @@ def main() -> int:
             sa.metadata.name == "default"
             for sa in core.list_namespaced_service_account(ns).items), timeout=30)
         op = Operator(cluster, ns, work, standalone=True, tick_s=0.5)   # the default tick
-        with PodRunner(core, work / "pods", namespace=ns, selector="dynatrain.io/job"):
+        with PodRunner(core, work / "pods", namespace=ns, selector="dynatrain.io/job",
+                       cpu_for_gpu_pods=True):        # simulated GPU nodes: no CUDA
             op.start()
             try:
                 wait("the operator's metrics", lambda: _up(op), timeout=90)

@@ -309,7 +309,10 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
         limits[GPU] = requests[GPU] = str(res["gpus"])
     args = ["--job", JOB_FILE, "--device", str(device), "--host", "$(POD_IP)",
             "--agent-port", str(agent_port), "--metrics-port", str(METRICS_PORT),
-            "--token-file", TOKEN_FILE, *spec.get("args", [])]
+            "--token-file", TOKEN_FILE,
+            # NCCL on the pod's GPU when the job asks for nvidia.com/gpu, gloo when not; a
+            # GPU pod without CUDA fails at start (spec.args may override, e.g. gloo).
+            "--backend", "auto", *spec.get("args", [])]
     mounts = [{"name": "job", "mountPath": "/etc/dynatrain", "readOnly": True},
               {"name": "token", "mountPath": "/var/run/secrets/dynatrain", "readOnly": True}]
     volumes = [{"name": "job", "configMap": {"name": names(n)["configmap"]}},

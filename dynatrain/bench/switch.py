@@ -52,7 +52,10 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
                  direct_bytes: int | None = None, carve: bool = True,
                  baseline: bool = True, dump: str | None = None, timeout_s: float = 600.0,
                  steps_before: int = STEPS_BEFORE, steps_after: int = STEPS_AFTER,
-                 progress=None, restart_fresh: bool = True) -> dict:
+                 progress=None, restart_fresh: bool = True, backend: str = "gloo") -> dict:
+    """``backend``: gloo (every rank on the CPU) or nccl (rank i on ``cuda:i``; the CLI's
+    ``--backend`` resolves auto and checks that CUDA is there). Under NCCL the memory figures
+    are torch's CUDA allocations (``memory: "cuda"``), not the host's RSS."""
 
     import torch.distributed as dist
 
@@ -74,7 +77,8 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
     ckpt = tempfile.mkdtemp(prefix="dynatrain-ckpt-")
     deadline = time.monotonic() + timeout_s
     try:
-        say(f"live: {world} processes, {old_cfg.layout.to_text()} -> {new_layout.to_text()}")
+        say(f"live: {world} processes ({backend}), {old_cfg.layout.to_text()} -> "
+            f"{new_layout.to_text()}")
         store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
                               wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         ctx = processes.context()
@@ -86,7 +90,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
                                      **({} if direct_bytes is None
                                         else {"direct_bytes": direct_bytes})),
                                 ckpt, dump, threads, results, timeout_s,
-                                (steps_before, steps_after)),
+                                (steps_before, steps_after), backend),
             nprocs=world)
         expected = world + ((n_old + n_new) if dump else 0)
         messages = _collect(procs, results, expected, deadline, "live switch")
@@ -100,6 +104,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
         busiest = max([max(send.get(d, 0), recv.get(d, 0)) for d in range(world)] + [0])
         out = {
             "model": model.name, "from": old_layout.to_text(), "to": new_layout.to_text(),
+            "backend": backend, "memory": "cuda" if backend == "nccl" else "rss",
             "ranks_from": n_old, "ranks_to": n_new, "devices_to": list(new_layout.device_of),
             "switch_seconds": max(d["pause"] for d in devices),
             "transfer_seconds": max(d["transfer"] for d in devices),
@@ -158,7 +163,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
             started = time.time()
             procs = processes.start_ranks(
                 restart_worker, args=(n_new, free_port(), new_cfg, new_layout, ckpt, threads,
-                                       results, timeout_s, steps_after),
+                                       results, timeout_s, steps_after, backend),
                 nprocs=n_new, method=method)
             restarted = [m for _, m in _collect(procs, results, n_new, deadline, "restart")]
             ready = max(m["ready"] for m in restarted)

@@ -3,7 +3,9 @@
 :func:`live_worker` is one device of the live run: it trains under the old layout, prepares
 and performs the switch, measures the pause, the bandwidth and the floor, and checks what
 arrived against DCP's resharding of the saved state. :func:`restart_worker` is one process of
-the checkpoint-and-restart baseline. Both report through a multiprocessing queue.
+the checkpoint-and-restart baseline. Both report through a multiprocessing queue. Both run on
+the CPU under gloo, or under NCCL with rank ``i`` on ``cuda:i``; on a GPU every timed probe
+waits for the device (:func:`_sync`), and memory is measured as torch's CUDA allocations.
 """
 
 from __future__ import annotations
@@ -33,13 +35,42 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _probe_bandwidth(group, group_rank, device: int, nbytes: int = 64 << 20) -> float:
+def _memory(dev) -> tuple[int, int]:
+    """(current, peak) bytes the switch's state occupies: the process's RSS on the CPU, torch's
+    CUDA allocations on a GPU (where the state lives; the host's RSS hardly moves)."""
+    import torch
+
+    if dev.type == "cuda":
+        return torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
+    return _rss()
+
+
+def _reset_peak(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        _reset_peak_rss()
+
+
+def _sync(dev) -> None:
+    """CUDA copies and NCCL works return before the GPU is done: wait for it before timing."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _probe_bandwidth(group, group_rank, device: int, nbytes: int = 64 << 20,
+                     dev=None) -> float:
     """Bytes/s from device 0 to device 1 over ``group`` (best of 3); 0 on other devices."""
     import torch
 
     if device not in (0, 1):
         return 0.0
-    buf = torch.ones(nbytes, dtype=torch.uint8)
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    _sync(buf.device)
     best = float("inf")
     for i in range(3):
         t0 = time.perf_counter()
@@ -49,12 +80,13 @@ def _probe_bandwidth(group, group_rank, device: int, nbytes: int = 64 << 20) -> 
         else:
             group.recv([buf], group_rank[0], 100 + i).wait()
             group.send([buf[:1]], group_rank[0], 200 + i).wait()
+        _sync(buf.device)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
 
 
-def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs: dict
-                 ) -> list[float]:
+def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs: dict,
+                 dev=None) -> list[float]:
     """Seconds this device takes to move its switch's bytes by the simplest means, with every
     device doing the same at the same moment, for each of 3 tries (a barrier before each).
 
@@ -66,10 +98,11 @@ def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs
     import torch
     import torch.distributed as dist
 
-    src = torch.ones(copied, dtype=torch.uint8)
+    src = torch.ones(copied, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
-    out = {d: torch.ones(n, dtype=torch.uint8) for d, n in sorted(sends.items())}
-    into = {d: torch.zeros(n, dtype=torch.uint8) for d, n in sorted(recvs.items())}
+    out = {d: torch.ones(n, dtype=torch.uint8, device=dev) for d, n in sorted(sends.items())}
+    into = {d: torch.zeros(n, dtype=torch.uint8, device=dev) for d, n in sorted(recvs.items())}
+    _sync(src.device)
     tries = []
     for i in range(3):
         dist.barrier()
@@ -80,6 +113,7 @@ def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs
         works += [group.recv([buf], group_rank[d], 300 + i) for d, buf in into.items()]
         for w in works:
             w.wait()
+        _sync(src.device)
         tries.append(time.perf_counter() - t0)
     return tries
 
@@ -89,11 +123,14 @@ def _state_bytes(local_state) -> int:
 
 
 def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
-                 dump, threads, results, timeout_s, steps):
+                 dump, threads, results, timeout_s, steps, backend="gloo"):
+    """Device ``device`` of the live run; under NCCL it trains and switches on ``cuda:device``
+    (one GPU per rank, on this machine)."""
 
     import torch
     import torch.distributed as dist
 
+    from dynatrain.trainer.backend import torch_device
     from dynatrain.trainer.checkpoint import load_state, save_state
     from dynatrain.trainer.groups import build_groups
     from dynatrain.trainer.switch import preallocate, switch
@@ -105,17 +142,18 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
     torch.set_num_threads(threads)
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=device,
+    dev = torch_device(backend, device)               # and the current CUDA device, for NCCL
+    dist.init_process_group(backend, store=dist.PrefixStore("default", store), rank=device,
                             world_size=world, timeout=timeout)
     model = old_cfg.model
     n_old = old_cfg.layout.world
     old_layout = old_cfg.layout.with_devices(range(n_old))
     save_group = dist.new_group(list(range(n_old)))        # DCP needs a registered group
-    mgr = DeviceManager(store, device, timeout=timeout)
+    mgr = DeviceManager(store, device, backend=backend, timeout=timeout)
     holder = []
     if device < n_old:
         groups = build_groups(bind(old_layout, model), device, mgr.group_factory(0, old_layout))
-        holder.append(Trainer(old_cfg, groups))
+        holder.append(Trainer(old_cfg, groups, device=dev))
     else:
         warm_up()                                           # a joiner in standby
     new_bound = bind(new_layout, model)
@@ -123,10 +161,13 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
     future = mgr.prepare(1, model, old_layout, new_layout, staging_bytes=config.staging_bytes,
                          build_extra=lambda r: build_groups(new_bound, r,
                                                             mgr.group_factory(1, new_layout)),
-                         preallocate=lambda p: preallocate(p, device, config))
+                         # CPU only, as in the worker: on a GPU allocation is cheap
+                         preallocate=((lambda p: preallocate(p, device, config))
+                                      if dev.type == "cpu" else None))
     losses_before = [holder[0].train_step().loss for _ in range(steps[0])] if holder else []
     prepared = future.result(timeout=timeout_s)
-    bandwidth = _probe_bandwidth(prepared.transition_group, prepared.group_rank, device)
+    bandwidth = _probe_bandwidth(prepared.transition_group, prepared.group_rank, device,
+                                 dev=dev)
 
     old_bytes = 0
     save_s = 0.0
@@ -143,11 +184,11 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
     # writing them back during the pause would slow the switch's copies by up to a third.
     os.sync()
     dist.barrier()
-    _reset_peak_rss()
-    rss_before, _ = _rss()
+    _reset_peak(dev)
+    rss_before, _ = _memory(dev)
     dist.barrier()                                          # everyone starts the pause together
-    res = switch(holder, prepared, new_cfg, device, config=config)
-    _, peak = _rss()
+    res = switch(holder, prepared, new_cfg, device, config=config, torch_device=dev)
+    _, peak = _memory(dev)
     if res.freeing is not None:
         res.freeing.join()                                  # the probe needs a quiet machine
     sends, recvs = {}, {}
@@ -159,12 +200,12 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
     # Carved bytes count as copied: the floor is of the plan's data movement, which carving
     # avoids rather than does faster.
     floor_tries = _probe_floor(prepared.transition_group, prepared.group_rank, device,
-                               res.transfer.bytes_local, sends, recvs)
+                               res.transfer.bytes_local, sends, recvs, dev=dev)
     bitwise, losses_after, new_bytes = True, [], 0
     if res.trainer is not None:
         got = res.trainer.local_state()
         new_bytes = _state_bytes(got)
-        ref = load_state(new_bound, prepared.new_rank, ckpt)
+        ref = load_state(new_bound, prepared.new_rank, ckpt, device=dev)
         bitwise = (got.step == ref.step and got.data_position == ref.data_position
                    and all(torch.equal(got.tensors[k][0], ref.tensors[k][0]) for k in ref.tensors))
         if dump:
@@ -200,22 +241,24 @@ def _put_state(results, tag, st) -> None:
 
 
 def restart_worker(rank, world, port, new_cfg, new_layout, ckpt, threads, results, timeout_s,
-                    steps):
+                    steps, backend="gloo"):
     import torch
     import torch.distributed as dist
 
+    from dynatrain.trainer.backend import torch_device
     from dynatrain.trainer.checkpoint import load_state
     from dynatrain.trainer.groups import build_groups
     from dynatrain.trainer.trainer import Trainer
     from dynatrain.vps.layout import bind
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dev = torch_device(backend, rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     bound = bind(new_layout, new_cfg.model)
     groups = build_groups(bound, rank)
-    state = load_state(bound, rank, ckpt)
-    trainer = Trainer(new_cfg, groups, state=state)
+    state = load_state(bound, rank, ckpt, device=dev)
+    trainer = Trainer(new_cfg, groups, device=dev, state=state)
     dist.barrier()
     ready = time.time()
     losses = [trainer.train_step().loss for _ in range(steps)]

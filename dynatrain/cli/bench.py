@@ -41,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--no-carve", action="store_true",
                    help="copy new tensors that are one block of an old one instead of making "
                         "them views of it (CPU; for comparison)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="auto (default): NCCL with one GPU per rank when this machine has "
+                        "enough, else gloo on the CPU; nccl: GPUs or fail; gloo: the CPU")
     p.add_argument("--no-baseline", action="store_true", help="skip checkpoint-and-restart")
     p.add_argument("--dump", metavar="DIR", help="write DIR/before.pt and DIR/after.pt")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
@@ -50,6 +53,7 @@ def register(sub) -> None:
 
 
 def run_bench_switch(args) -> int:
+    from dynatrain.trainer.backend import BackendError, bench_backend
     from dynatrain.trainer.config import make_config
 
     if args.staging_mib < 1:
@@ -60,7 +64,13 @@ def run_bench_switch(args) -> int:
                           global_batch_size=args.global_batch_size)
     new_cfg = make_config(args.model, args.new, seq_len=args.seq_len,
                           global_batch_size=args.global_batch_size)
+    try:
+        backend = bench_backend(args.backend,
+                                max(old_cfg.layout.world, new_cfg.layout.world))
+    except BackendError as e:
+        raise UsageError(str(e)) from None
     result = switch.bench_switch(old_cfg, new_cfg, staging_bytes=args.staging_mib << 20,
+                                 backend=backend,
                                  checksums=args.checksums, direct_bytes=args.direct_kib << 10,
                                  carve=not args.no_carve, baseline=not args.no_baseline,
                                  dump=args.dump, timeout_s=args.timeout,
@@ -75,7 +85,7 @@ def run_bench_switch(args) -> int:
 
 def _print_summary(r: dict) -> None:
     print(f"switch {r['from']} ({r['ranks_from']} ranks) -> {r['to']} ({r['ranks_to']} ranks), "
-          f"{r['model']}")
+          f"{r['model']}, {r['backend']}")
     print(f"  pause (switch_seconds)     {r['switch_seconds']:.4f} s   "
           f"(transfer {r['transfer_seconds']:.4f} s; prepare {r['prepare_seconds']:.3f} s "
           "overlapped with training)")
@@ -101,7 +111,8 @@ def _print_summary(r: dict) -> None:
           f"{[round(x, 6) for x in r['losses_after']]}")
     worst = max(zip(r["rss_growth_bytes"], r["rss_growth_bound_bytes"]),
                 key=lambda gb: gb[0] / max(gb[1], 1))
-    print(f"  peak RSS during switch     {max(r['peak_rss_bytes']) / 2**20:.0f} MiB "
+    what = "peak RSS" if r["memory"] == "rss" else "peak GPU memory"   # nccl: torch's CUDA
+    print(f"  {what + ' during switch':<27}{max(r['peak_rss_bytes']) / 2**20:.0f} MiB "
           f"(max over ranks; closest to its bound: growth {worst[0] / 2**20:.1f} MiB of "
           f"{worst[1] / 2**20:.1f} MiB; within bound on every rank: {r['rss_within_bound']})")
 

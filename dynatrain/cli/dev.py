@@ -27,7 +27,9 @@ nvidia.com/gpu are scheduled onto them by the real scheduler and reported
 Running. The controller-manager garbage-collects a deleted job's objects and
 evicts the pods of a node whose heartbeat stops. With --run-pods, every Running
 pod's container command also runs, as a local process on its loopback pod IP
-(no images are pulled; `dynatrain` means this checkout). With --real-node, one
+(no images are pulled; `dynatrain` means this checkout); the simulated nodes
+have no CUDA, so a GPU job's workers train only with --gpu-pods-on-cpu (on the
+CPU, with gloo; without it they stop at start). With --real-node, one
 more node is run by a real kubelet with containerd and runc (root only): its
 pods run in containers, from images built here with debootstrap (the worker
 image localhost/dynatrain:dev; the first build takes minutes). Stop with Ctrl-C
@@ -38,7 +40,7 @@ _EPILOG = """\
 examples:
   dynatrain dev cluster --nodes 4 --gpus-per-node 8 --kubeconfig /tmp/dev.kubeconfig
   KUBECONFIG=/tmp/dev.kubeconfig kubectl get nodes
-  dynatrain dev cluster --run-pods --nodes 2 --kubeconfig /tmp/dev.kubeconfig
+  dynatrain dev cluster --run-pods --gpu-pods-on-cpu --nodes 2 --kubeconfig /tmp/dev.kubeconfig
   dynatrain dev cluster --real-node --nodes 0 --kubeconfig /tmp/dev.kubeconfig
   dynatrain dev cluster --build-only      # build/cache the binaries (CI warm-up)
 """
@@ -86,6 +88,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="run every Running pod's container command as a local process "
                         "(ConfigMap, Secret and claim volumes as directories; logs under "
                         "the work dir's pods/)")
+    p.add_argument("--gpu-pods-on-cpu", action="store_true",
+                   help="with --run-pods: run the DynaTrain workers of pods that request "
+                        "nvidia.com/gpu on the CPU (--backend gloo appended): the simulated "
+                        "GPU nodes have no CUDA, and without this such a worker stops at start "
+                        "asking for one")
     p.add_argument("--real-node", action="store_true",
                    help="add one node run by a real kubelet with containerd (root; needs "
                         "tools/install-debs.sh containerd runc containernetworking-plugins "
@@ -112,6 +119,10 @@ def _run(args: argparse.Namespace) -> int:
     from dynatrain.devcluster.cluster import ClusterConfig, DevCluster
     from dynatrain.devcluster.kubelet import RealNodeConfig
 
+    if args.gpu_pods_on_cpu and not args.run_pods:
+        print("dynatrain dev cluster: error: --gpu-pods-on-cpu says how --run-pods runs GPU "
+              "pods; give --run-pods too", file=sys.stderr)
+        return 2
     binaries = ensure_built()
     if args.build_only:
         versions = ", ".join(f"{m} {v}" for m, v in pinned_versions(default_toolchain()).items())
@@ -145,7 +156,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.run_pods:
             from dynatrain.devcluster.pods import PodRunner
 
-            runner = PodRunner(cluster.core(), cluster.workdir / "pods")
+            runner = PodRunner(cluster.core(), cluster.workdir / "pods",
+                               cpu_for_gpu_pods=args.gpu_pods_on_cpu)
             runner.start()
         kubectl = binaries.path("kubectl")
         print(

@@ -22,6 +22,7 @@ examples:
 A scenario lists capacity changes by step (see examples/scenario.yaml):
   events:
     - {atStep: 15, preempt: {workers: [3], noticeSeconds: 30}}
+    - {atStep: 20, evict: {workers: [2], graceSeconds: 30}}   # SIGTERM, as Kubernetes
     - {atStep: 30, join: 1}
     - {atStep: 45, layout: "dp=1,tp=2,pp=2"}
     - {atStep: 50, kill: {workers: [1]}}     # no notice: recovered from memory
@@ -48,7 +49,9 @@ def register(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="controller's Prometheus port (default: any free port)")
     p.add_argument("--prometheus-sd", metavar="FILE",
-                   help="keep a Prometheus file_sd target list of the controller and workers")
+                   help="keep a Prometheus file_sd target list of the controller and workers "
+                   "(scrape it with honor_labels: true: the series' own `job` label is the "
+                   "DynaTrainJob's name)")
     p.add_argument("--device-profile", default="per-worker", metavar="P",
                    help="the solver's device model: 'per-worker' (default: this machine's "
                         "cores measured, each worker counted as a device of its own, as pods "
@@ -66,6 +69,10 @@ def register(sub) -> None:
                    help="recover from a worker that dies the old way, for comparison: stop "
                         "every worker and start fresh ones from the newest checkpoint "
                         "(default: recover live from the in-memory copies)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="the workers' backend: auto (default) is NCCL with one GPU per worker "
+                        "when spec.resources.gpus is 1, gloo on the CPU when 0; nccl fails "
+                        "unless CUDA is available; gloo runs a GPU job on the CPU")
     p.set_defaults(func=run_job)
 
 
@@ -83,6 +90,7 @@ def run_job(args) -> int:
     if job.gpus_per_worker > 1:
         raise UsageError(f"spec.resources.gpus={job.gpus_per_worker}: the local runner runs "
                          "one device per worker; use gpus: 0 (CPU) or 1")
+    backend = _backend(args.backend, job)
     if args.device_profile in ("per-worker", "shared"):
         profile = measure_cpu_profile()
         if args.device_profile == "per-worker":
@@ -116,7 +124,7 @@ def run_job(args) -> int:
                          policy=Policy(margin=args.margin, cooldown_s=args.cooldown),
                          metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd,
                          resume_from=resume or "",
-                         restart_on_failure=args.restart_on_failure)
+                         restart_on_failure=args.restart_on_failure, backend=backend)
     try:
         result = runner.run()
     except JobFailed as e:
@@ -126,6 +134,20 @@ def run_job(args) -> int:
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(result.summary(), indent=2))
     return 0 if result.samples_exactly_once else 1
+
+
+def _backend(requested: str, job) -> str:
+    """The workers' backend, checked here before any worker starts: a GPU job needs CUDA and
+    one GPU per worker on this machine (each worker gets its own)."""
+    from dynatrain.trainer.backend import BackendError, asked_for, job_backend, require_cuda
+
+    try:
+        backend = job_backend(requested, job.gpus_per_worker)
+        if backend == "nccl":
+            require_cuda(asked_for(requested, job.gpus_per_worker), count=job.max_workers)
+    except BackendError as e:
+        raise UsageError(str(e)) from None
+    return backend
 
 
 def _print_summary(r) -> None:

@@ -17,13 +17,21 @@ command as a process on this machine, the way a kubelet would:
 - a process that exits makes its pod ``Succeeded`` or ``Failed`` with the exit code in the
   container's status, or is restarted per ``restartPolicy`` (with the kubelet's back-off:
   10 s, doubling, at most 5 minutes, shown as ``CrashLoopBackOff``);
-- a pod being deleted gets SIGTERM, and SIGKILL when its grace period ends; a pod that is gone,
-  or whose node stopped heart-beating or was deleted, is killed (the machine is gone).
+- a pod being deleted gets SIGTERM, and SIGKILL when its grace period ends; once its process
+  has exited the pod is removed (grace 0), as a kubelet confirms a deletion; a pod that is
+  gone, or whose node stopped heart-beating or was deleted, is killed (the machine is gone).
 
 The image is not pulled: ``dynatrain`` as the command means this checkout's console script
 (``python -m dynatrain``); any other command runs as it is. The dev cluster hands out pod IPs
 from 127.0.0.0/8, so a process binds its pod IP on loopback and others reach it there, as on a
 cluster network. Logs are in ``<workdir>/<namespace>/<pod>/container.log``.
+
+The simulated GPU nodes have no CUDA, and a worker of a GPU job asks for NCCL on a GPU
+(``--backend auto``): it stops at start, as on a real node without CUDA. Only with
+``cpu_for_gpu_pods=True`` (tests' fixtures, ``dynatrain dev cluster --run-pods
+--gpu-pods-on-cpu``) does the runner append ``--backend gloo`` to the ``dynatrain worker``
+command of a pod that requests ``nvidia.com/gpu``, so it trains on the CPU; nothing else about
+the pod changes.
 """
 
 from __future__ import annotations
@@ -103,8 +111,13 @@ class PodRunner:
     def __init__(self, core: client.CoreV1Api, workdir: Path, *, namespace: str | None = None,
                  selector: str = "", interval_s: float = 0.2,
                  backoff_first_s: float = BACKOFF_FIRST_S,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, cpu_for_gpu_pods: bool = False):
         self.core, self.namespace, self.selector = core, namespace, selector
+        self.cpu_for_gpu_pods = cpu_for_gpu_pods
+        """Run the ``dynatrain worker`` of a pod that requests ``nvidia.com/gpu`` on the CPU
+        (``--backend gloo`` appended): the simulated GPU nodes have no CUDA. Off, such a worker
+        asks for NCCL and stops at start with exit code 2, as it would on a node without
+        CUDA; tests and ``dynatrain dev cluster --run-pods --gpu-pods-on-cpu`` turn it on."""
         self.workdir = Path(workdir)
         self.interval_s, self.backoff_first_s = interval_s, backoff_first_s
         self._say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -229,6 +242,7 @@ class PodRunner:
         code = c.proc.returncode if c.proc.returncode >= 0 else 128 - c.proc.returncode
         if c.terminated:                              # deleted: the pod goes away
             c.done = True
+            self._remove(c, pod.metadata.uid)
             return
         restart = (c.restart_policy == "Always"
                    or (c.restart_policy == "OnFailure" and code != 0))
@@ -243,6 +257,19 @@ class PodRunner:
             phase = "Succeeded" if code == 0 else "Failed"
             self._say(f"[pods] {c.namespace}/{c.name} exited with code {code}: {phase}")
             self._report(c, exited=code, phase=phase)
+
+    def _remove(self, c: _Container, uid: str) -> None:
+        """A deleted pod whose process has exited is removed at once (grace 0), as a kubelet
+        does once its containers stop; kwok would keep it until its grace period ends."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(c.name, c.namespace, body=client.V1DeleteOptions(
+                grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid)))
+        except ApiException as e:
+            if e.status not in (404, 409):     # gone already, or another pod of that name
+                raise
 
     # -- status, as a kubelet reports it --------------------------------------------------------
     def _report(self, c: _Container, *, exited: int | None = None, phase: str | None = None,
@@ -316,6 +343,8 @@ class PodRunner:
                     "containers with a command: images are not pulled or run')"]
         elif argv[0] == "dynatrain":
             argv = [sys.executable, "-m", "dynatrain", *argv[1:]]
+        if self.cpu_for_gpu_pods and _requests_gpu(container) and _is_worker(argv):
+            argv = [*argv, "--backend", "gloo"]       # the last --backend wins
         return _Container(ns, name, pod.spec.node_name, argv, env, root / "container.log",
                           pod.spec.restart_policy or "Always", container.name)
 
@@ -420,6 +449,30 @@ class PodRunner:
             except ApiException as e:
                 if e.status != 409:                   # made on an earlier round
                     raise
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def _requests_gpu(container) -> bool:
+    """Whether the container asks for ``nvidia.com/gpu`` (limits, or requests alone)."""
+    res = container.resources
+    if res is None:
+        return False
+    for amounts in (res.limits or {}, res.requests or {}):
+        try:
+            if int(amounts.get(GPU_RESOURCE, 0) or 0) > 0:
+                return True
+        except ValueError:
+            pass                                   # not a count: the API server rejects it
+    return False
+
+
+def _is_worker(argv: list[str]) -> bool:
+    """Whether ``argv`` (after ``dynatrain`` was made ``python -m dynatrain``) starts a
+    DynaTrain worker: ``dynatrain worker ...`` or ``python -m dynatrain.agent.worker ...``."""
+    return argv[1:4] == ["-m", "dynatrain", "worker"] or argv[1:3] == [
+        "-m", "dynatrain.agent.worker"]
 
 
 def _project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> None:

@@ -161,6 +161,14 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
             graveyard: list | None) -> SwitchResult:
     t0 = time.perf_counter()
     dev = torch_device or torch.device("cpu")
+    if dev.type != "cpu":
+        # A recovery's snapshot and mirrors are host copies (the redundancy's pinned buffers);
+        # the engine adopts them and NCCL sends from them, so they must be on the device.
+        if restored is not None:
+            restored = LocalState({k: (t.to(dev), p) for k, (t, p) in restored.tensors.items()},
+                                  restored.step, restored.data_position, restored.rng)
+        if mirrored:
+            mirrored = {d: {k: t.to(dev) for k, t in m.items()} for d, m in mirrored.items()}
     trainer = trainer_holder.pop() if trainer_holder else None
     state = trainer.local_state() if trainer is not None else restored
     # The old generation's process groups die with the trainer, unless held: tearing down a
