@@ -1,20 +1,39 @@
 """DynaTrain's Prometheus metrics, defined once for every process that exposes them.
 
-Each training worker's agent and the controller create one :class:`Metrics` object, which
-owns its own :class:`~prometheus_client.CollectorRegistry` (never the process-global
-``REGISTRY``: tests and a local run put several agents in one process, and each must expose
-only its own numbers), and serve it over HTTP with :meth:`Metrics.serve`. Prometheus scrapes
-every such endpoint; which process a series came from is told by the labels Prometheus attaches
-to the scrape target (``job``, ``instance``, and pod or device labels from service discovery),
-so the metrics themselves carry no identity labels.
+Each training worker's agent and the controller create one :class:`Metrics` object per
+job, which owns its own :class:`~prometheus_client.CollectorRegistry` (never the
+process-global ``REGISTRY``: tests and a local run put several agents in one process, and each
+must expose only its own numbers), and serve it over HTTP with :meth:`Metrics.serve`. The
+operator runs many jobs in one process: it keeps one :class:`Metrics` per job in a
+:class:`JobMetricsSet`, which exposes them all on its one endpoint and drops a job's series
+when the job is deleted.
 
-Metrics (names as exposed; all times in seconds, sizes in bytes, per Prometheus conventions):
+**Every series carries the job's identity**, ``namespace`` and ``job`` (the DynaTrainJob's
+``metadata.namespace`` and ``metadata.name``; a manifest run locally with ``dynatrain run``
+and no namespace is in ``default``), so that many jobs share one operator, one Prometheus and
+one dashboard without overwriting each other's gauges or adding into each other's counters.
+Prometheus also sets a ``job`` label on every scraped series (the scrape config's job name)
+and service discovery may set ``namespace`` (the Prometheus Operator does: the namespace of
+the scraped pod or Service, which for the operator is its own, not the job's). The metrics'
+own labels must win, so **scrape DynaTrain with** ``honor_labels: true`` (the chart's
+ServiceMonitor and PodMonitor set ``honorLabels: true``); without it Prometheus renames them
+to ``exported_job`` and ``exported_namespace``. (A label name of our own, ``dynatrain_job``,
+would need no such setting; ``job`` is used so that a job's series are
+``{namespace="<ns>", job="<name>"}``, the DynaTrainJob's own coordinates. The scrape job's
+name stays on ``up`` and on series without a ``job`` label, e.g.
+``dynatrain_operator_api_requests_total``.) Which process a series came from is told by
+the target labels Prometheus attaches (``instance``, ``pod``, and ``role``: ``controller`` or
+``worker``, which the chart's monitors and ``dynatrain run --prometheus-sd`` add).
+
+Metrics (names as exposed, each also labelled ``namespace`` and ``job``; all times in seconds,
+sizes in bytes, per Prometheus conventions):
 
 ``dynatrain_switch_duration_seconds{phase, reason}`` (histogram)
     Time spent in each phase of a layout switch: ``prepare`` (background preparation while
     training goes on), ``pause`` (training stopped, the whole stop-the-world window) and
     ``transfer`` (the part of the pause moving state between devices). ``reason`` is why the
-    switch happened (``preemption``, ``scale-up``, ``better-layout``, ``requested``). Buckets 1 ms .. 60 s.
+    switch happened (``preemption``, ``scale-up``, ``scale-down``, ``better-layout``,
+    ``requested``, ``failure``). Buckets 1 ms .. 60 s.
 ``dynatrain_switch_bytes_total{reason}`` (counter)
     Bytes of training state moved between devices by switches.
 ``dynatrain_switches_total{result, reason}`` (counter)
@@ -33,7 +52,8 @@ Metrics (names as exposed; all times in seconds, sizes in bytes, per Prometheus 
     aborted attempt also uses up a number).
 ``dynatrain_layout_info{dp, tp, pp, ep, zero}`` (gauge, info style)
     Always 1, for the current layout only; the previous label set is removed on a change, so
-    ``dynatrain_layout_info`` has exactly one series and can be joined onto other metrics.
+    ``dynatrain_layout_info`` has exactly one series per job and can be joined onto other
+    metrics ``on (namespace, job)``.
 
 prometheus_client also exposes a ``<name>_created`` timestamp series for every counter and
 histogram; Prometheus 2.x stores those as ordinary series, which only add noise here, so this
@@ -55,7 +75,7 @@ PHASES = ("prepare", "pause", "transfer")
 """The phases a switch's duration is reported in."""
 RESULTS = ("success", "aborted", "failed")
 """The outcomes of a switch."""
-REASONS = ("preemption", "scale-up", "better-layout", "requested", "failure")
+REASONS = ("preemption", "scale-up", "scale-down", "better-layout", "requested", "failure")
 """Why the controller's policy switches (``reason``); their series exist from the start, so
 that rate() sees a job's first switch of each kind."""
 
@@ -68,6 +88,8 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 _LAYOUT_LABELS = ("dp", "tp", "pp", "ep", "zero")
+JOB_LABELS = ("namespace", "job")
+"""The labels every series carries: the DynaTrainJob's namespace and name."""
 
 
 class _WithoutCreated(Collector):
@@ -88,7 +110,8 @@ class _WithoutCreated(Collector):
 
 
 class Metrics:
-    """The metrics of one process, in their own registry (a new one unless ``registry`` given).
+    """The metrics of one job in one process, in their own registry (a new one unless
+    ``registry`` given); every series is labelled with ``namespace`` and ``job``.
 
     ``reasons``: switch reasons known in advance. Their series are created at zero right away;
     a labelled series only appears when first used, and ``rate()``/``increase()`` cannot see an
@@ -97,41 +120,57 @@ class Metrics:
     gets all its series created then (its first switch is missed by ``rate``, later ones not).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, *,
+    def __init__(self, registry: CollectorRegistry | None = None, *, namespace: str, job: str,
                  reasons: Iterable[str] = ()):
+        for label, value, field in (("namespace", namespace, "metadata.namespace"),
+                                    ("job", job, "metadata.name")):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"Metrics: {label}={value!r}; must be the DynaTrainJob's "
+                                 f"{field}, a non-empty string")
+        self.namespace, self.job = namespace, job
+        self._job_labels = {"namespace": namespace, "job": job}
         self.registry = registry if registry is not None else CollectorRegistry()
         # registry=None: the metric objects are not registered on their own (in particular not
-        # on the global REGISTRY); _WithoutCreated registers them all at once below.
+        # on the global REGISTRY); _WithoutCreated registers them all at once below. Metrics
+        # with labels of their own (phase, reason...) stay families, labelled per use; those
+        # without are bound to this job's series right away, so that they exist from the start.
         self.switch_duration = Histogram(
             "dynatrain_switch_duration_seconds",
             "Duration of a layout switch, by phase (prepare, pause, transfer).",
-            ["phase", "reason"], buckets=SWITCH_BUCKETS, registry=None)
+            [*JOB_LABELS, "phase", "reason"], buckets=SWITCH_BUCKETS, registry=None)
         # prometheus_client appends _total to a counter's name: exposed as
         # dynatrain_switch_bytes_total.
         self.switch_bytes = Counter(
             "dynatrain_switch_bytes", "Bytes of training state moved by layout switches.",
-            ["reason"], registry=None)
+            [*JOB_LABELS, "reason"], registry=None)
         self.switches = Counter(
             "dynatrain_switches", "Layout switches, by result (success, aborted, failed).",
-            ["result", "reason"], registry=None)
-        self.step_duration = Histogram(
+            [*JOB_LABELS, "result", "reason"], registry=None)
+        step_duration = Histogram(
             "dynatrain_step_duration_seconds", "Wall time of one training step.",
-            buckets=STEP_BUCKETS, registry=None)
-        self.tokens_per_second = Gauge(
+            JOB_LABELS, buckets=STEP_BUCKETS, registry=None)
+        tokens_per_second = Gauge(
             "dynatrain_tokens_per_second", "Training throughput over the last step.",
-            registry=None)
-        self.step = Gauge("dynatrain_step", "The last completed training step.", registry=None)
-        self.workers = Gauge("dynatrain_workers", "Workers currently in the job.", registry=None)
-        self.generation = Gauge(
+            JOB_LABELS, registry=None)
+        step = Gauge("dynatrain_step", "The last completed training step.", JOB_LABELS,
+                     registry=None)
+        workers = Gauge("dynatrain_workers", "Workers currently in the job.", JOB_LABELS,
+                        registry=None)
+        generation = Gauge(
             "dynatrain_generation", "Layout generation: 0 at start, +1 per committed switch.",
-            registry=None)
+            JOB_LABELS, registry=None)
         self.layout_info = Gauge(
             "dynatrain_layout_info", "The current parallelism layout (value always 1).",
-            list(_LAYOUT_LABELS), registry=None)
-        self.registry.register(_WithoutCreated([
-            self.switch_duration, self.switch_bytes, self.switches, self.step_duration,
-            self.tokens_per_second, self.step, self.workers, self.generation,
-            self.layout_info]))
+            [*JOB_LABELS, *_LAYOUT_LABELS], registry=None)
+        self._collector = _WithoutCreated([
+            self.switch_duration, self.switch_bytes, self.switches, step_duration,
+            tokens_per_second, step, workers, generation, self.layout_info])
+        self.registry.register(self._collector)
+        self.step_duration = step_duration.labels(namespace, job)
+        self.tokens_per_second = tokens_per_second.labels(namespace, job)
+        self.step = step.labels(namespace, job)
+        self.workers = workers.labels(namespace, job)
+        self.generation = generation.labels(namespace, job)
         # Guards the layout's "add new, remove old" and the set of initialised reasons.
         self._lock = threading.Lock()
         self._layout_labels: tuple[str, ...] | None = None
@@ -160,10 +199,11 @@ class Metrics:
         if bytes_moved < 0:
             raise ValueError(f"bytes_moved={bytes_moved} must be >= 0")
         self._init_reason(reason)
+        job = self._job_labels
         for phase, seconds in phases.items():
-            self.switch_duration.labels(phase=phase, reason=reason).observe(seconds)
-        self.switch_bytes.labels(reason=reason).inc(bytes_moved)
-        self.switches.labels(result=result, reason=reason).inc()
+            self.switch_duration.labels(**job, phase=phase, reason=reason).observe(seconds)
+        self.switch_bytes.labels(**job, reason=reason).inc(bytes_moved)
+        self.switches.labels(**job, result=result, reason=reason).inc()
 
     def set_layout(self, layout: Layout | str | None) -> None:
         """Make ``layout`` (a Layout or its text, e.g. ``dp=4,tp=2``) the one series of
@@ -175,9 +215,9 @@ class Metrics:
             if labels is not None:
                 # Add the new series before removing the old one, so a scrape in between sees
                 # two layouts for an instant rather than none.
-                self.layout_info.labels(*labels).set(1)
+                self.layout_info.labels(self.namespace, self.job, *labels).set(1)
             if self._layout_labels is not None and self._layout_labels != labels:
-                self.layout_info.remove(*self._layout_labels)
+                self.layout_info.remove(self.namespace, self.job, *self._layout_labels)
             self._layout_labels = labels
 
     def set_workers(self, n: int) -> None:
@@ -192,11 +232,12 @@ class Metrics:
             if reason in self._reasons:
                 return
             self._reasons.add(reason)
+        job = self._job_labels
         for phase in PHASES:
-            self.switch_duration.labels(phase=phase, reason=reason)
+            self.switch_duration.labels(**job, phase=phase, reason=reason)
         for result in RESULTS:
-            self.switches.labels(result=result, reason=reason)
-        self.switch_bytes.labels(reason=reason)
+            self.switches.labels(**job, result=result, reason=reason)
+        self.switch_bytes.labels(**job, reason=reason)
 
     # -- exposition ------------------------------------------------------------------------
 
@@ -211,3 +252,63 @@ class Metrics:
         # and its thread; the server knows the port the OS picked.
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return server, server.server_port
+
+    def collect(self):
+        """This job's metric families, as its registry exposes them (a :class:`JobMetricsSet`
+        merges them with the other jobs')."""
+        return self._collector.collect()
+
+
+class JobMetricsSet(Collector):
+    """The :class:`Metrics` of many jobs on one endpoint: the operator's.
+
+    Register it on the endpoint's registry; :meth:`add` a job's Metrics when its controller
+    starts and :meth:`remove` them when the job is deleted, which drops every series of the
+    job at once (label by label removal would have to know every phase, reason and layout the
+    job ever used). The jobs' families are merged by name: the exposition formats allow each
+    metric name once.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._jobs: dict[tuple[str, str], tuple[str, Metrics]] = {}
+
+    def add(self, metrics: Metrics, uid: str = "") -> Metrics:
+        """Expose ``metrics`` (they replace those of an earlier job of the same namespace and
+        name: a job deleted and re-created). ``uid``: the job's ``metadata.uid``, which
+        :meth:`remove` checks. Returns ``metrics``."""
+        with self._lock:
+            self._jobs[(metrics.namespace, metrics.job)] = (uid, metrics)
+        return metrics
+
+    def remove(self, namespace: str, job: str, uid: str | None = None) -> bool:
+        """Stop exposing the job's series; with ``uid``, only if they belong to that object
+        (not to a re-created job of the same name). Returns whether something was removed."""
+        with self._lock:
+            found = self._jobs.get((namespace, job))
+            if found is None or (uid is not None and found[0] != uid):
+                return False
+            del self._jobs[(namespace, job)]
+            return True
+
+    def jobs(self) -> list[tuple[str, str]]:
+        """``(namespace, job)`` of every job exposed."""
+        with self._lock:
+            return sorted(self._jobs)
+
+    def describe(self):
+        # Which names the set exposes depends on its jobs; describing none skips the registry's
+        # duplicate-name check for this collector (its names are only ever the dynatrain_ ones).
+        return []
+
+    def collect(self):
+        with self._lock:
+            jobs = [metrics for _, (_, metrics) in sorted(self._jobs.items())]
+        merged: dict[str, object] = {}
+        for metrics in jobs:
+            for family in metrics.collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family     # a fresh object per collect: ours to extend
+        yield from merged.values()

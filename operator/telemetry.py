@@ -8,8 +8,11 @@ number of jobs. These two metrics show it, next to the jobs' metrics on the oper
     Requests this operator's Kubernetes client sent (``GET``, ``POST``, ``PATCH``,
     ``DELETE``...; a watch counts once, when it starts). kopf's own requests (its watch of
     DynaTrainJobs, finalizers, peering) go through its own client and are not counted.
-``dynatrain_operator_reconcile_seconds`` (histogram)
-    Wall time of one reconcile pass of one job (a switch, when a pass makes one, included).
+``dynatrain_operator_reconcile_seconds{namespace, job}`` (histogram)
+    Wall time of one reconcile pass of one job (a switch, when a pass makes one, included),
+    labelled with the job's namespace and name like the jobs' own series: one histogram per
+    live job, removed with the job (:meth:`OperatorMetrics.forget`), so the labels stay as
+    bounded as the jobs themselves. Requests are not per job (the shared watches serve all).
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ class OperatorMetrics:
             ["verb"], registry=registry)
         self.reconcile = Histogram(
             "dynatrain_operator_reconcile_seconds", "Wall time of one job's reconcile pass.",
-            buckets=RECONCILE_BUCKETS, registry=registry)
+            ["namespace", "job"], buckets=RECONCILE_BUCKETS, registry=registry)
+
+    def forget(self, namespace: str, job: str) -> None:
+        """Drop a deleted job's series (nothing happens if it has none)."""
+        self.reconcile.remove(namespace, job)
 
 
 class CountingApiClient(client.ApiClient):

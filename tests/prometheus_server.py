@@ -10,6 +10,10 @@ Import it the way the other helpers here are imported (pytest puts ``tests/`` on
 
     from prometheus_server import PrometheusServer, prometheus  # `prometheus` is a fixture
 
+The scrape config sets ``honor_labels: true``, as the Helm chart's ServiceMonitor and
+PodMonitor do: DynaTrain's series carry their own ``job`` (the DynaTrainJob's name) and
+``namespace`` labels, which must win over the target's ``job`` (the target group's, below).
+
 Timing to expect: Prometheus's discovery and scrape managers pass target changes on at most
 every 5 s each (not configurable in 2.x), so a newly added target is scraped after roughly
 5-10 s; use :meth:`PrometheusServer.wait_for` rather than sleeps.
@@ -79,9 +83,10 @@ class PrometheusServer:
     """
 
     def __init__(self, binary: str | None = None, *, scrape_interval: str = "1s",
-                 startup_timeout: float = 30.0):
+                 startup_timeout: float = 30.0, honor_labels: bool = True):
         self.binary = binary or require_prometheus()
         self.scrape_interval = scrape_interval
+        self.honor_labels = honor_labels
         self.startup_timeout = startup_timeout
         self.port: int | None = None
         self.workdir: Path | None = None
@@ -105,6 +110,9 @@ class PrometheusServer:
             "scrape_configs": [{
                 "job_name": "file_sd",  # overridden per target group by its `job` label
                 "scrape_timeout": self.scrape_interval,
+                # A label the series carry (job, namespace) wins over the target's; False:
+                # the target's wins and the series' own becomes exported_<name>.
+                "honor_labels": self.honor_labels,
                 # The file is also watched with inotify; refresh_interval is the fallback
                 # re-read (default 5 m) for filesystems where notifications do not arrive.
                 "file_sd_configs": [{"files": [str(self._targets_file)],
@@ -246,6 +254,11 @@ class PrometheusServer:
         """Range query: ``[{"metric": {...}, "values": [[ts, "1.5"], ...]}, ...]``."""
         return self._result(self._api("/api/v1/query_range", {
             "query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": step}))
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        """The values of ``label`` among the series ``match`` selects, as Grafana's
+        ``label_values(match, label)`` variable query asks them of ``/api/v1/label/.../values``."""
+        return sorted(self._api(f"/api/v1/label/{label}/values", {"match[]": match}))
 
     def wait_for(self, promql: str, predicate=lambda result: bool(result),
                  timeout: float = 20.0, interval: float = 0.25) -> list:

@@ -1,9 +1,9 @@
 """DynaTrain's Prometheus metrics: the exposition text, and the numbers a real Prometheus reads.
 
 The unit tests parse what :class:`Metrics` exposes with prometheus_client's own parsers (both
-the classic text format and OpenMetrics, which Prometheus prefers when scraping). The last test
-runs the real ``prometheus`` binary against an in-process endpoint and checks the values come
-back through PromQL as observed.
+the classic text format and OpenMetrics, which Prometheus prefers when scraping). The last tests
+run the real ``prometheus`` binary against in-process endpoints and check the values come back
+through PromQL as observed, each series under its own job's ``namespace`` and ``job`` labels.
 """
 
 from __future__ import annotations
@@ -12,14 +12,18 @@ import math
 import urllib.request
 
 import pytest
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynatrain.agent.metrics import PHASES, SWITCH_BUCKETS, Metrics
+from dynatrain.agent.metrics import PHASES, SWITCH_BUCKETS, JobMetricsSet, Metrics
 from dynatrain.vps.layout import Layout
-from prometheus_server import prometheus, sample_value  # noqa: F401  (prometheus: a fixture)
+from prometheus_server import PrometheusServer, require_prometheus, sample_value
+from prometheus_server import prometheus  # noqa: F401  (a fixture)
+
+JOB = {"namespace": "research", "job": "llama"}
+"""The identity of the job the metrics below belong to: every series carries it."""
 
 EXPOSED = {
     "dynatrain_switch_duration_seconds_bucket", "dynatrain_switch_duration_seconds_sum",
@@ -38,13 +42,15 @@ def samples(metrics: Metrics) -> list:
 
 
 def value(metrics: Metrics, name: str, **labels) -> float:
+    """The sample of ``name`` with exactly ``labels`` plus the job's namespace and job."""
+    labels = {**JOB, **labels}
     found = [s.value for s in samples(metrics) if s.name == name and s.labels == labels]
     assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
     return found[0]
 
 
 def busy_metrics() -> Metrics:
-    m = Metrics()
+    m = Metrics(**JOB)
     m.set_layout("dp=2,tp=2,pp=2,zero=1")
     m.set_workers(8)
     m.set_generation(3)
@@ -104,8 +110,14 @@ def test_histograms_counters_and_gauges_hold_what_was_observed():
     assert value(m, "dynatrain_generation") == 3
 
 
+def test_every_series_carries_the_job():
+    assert all({k: s.labels.get(k) for k in JOB} == JOB for s in samples(busy_metrics()))
+    with pytest.raises(ValueError, match="metadata.name"):
+        Metrics(namespace="research", job="")
+
+
 def test_known_reasons_are_exposed_at_zero_before_any_switch():
-    m = Metrics(reasons=["preemption"])
+    m = Metrics(**JOB, reasons=["preemption"])
     for phase in PHASES:
         assert value(m, "dynatrain_switch_duration_seconds_count",
                      phase=phase, reason="preemption") == 0
@@ -115,7 +127,7 @@ def test_known_reasons_are_exposed_at_zero_before_any_switch():
 
 
 def test_layout_info_keeps_only_the_current_layout():
-    m = Metrics()
+    m = Metrics(**JOB)
 
     def info():
         return [s for s in samples(m) if s.name == "dynatrain_layout_info"]
@@ -123,10 +135,11 @@ def test_layout_info_keeps_only_the_current_layout():
     assert info() == []
     m.set_layout("dp=2,tp=2,pp=2,zero=1")
     [s] = info()
-    assert s.labels == {"dp": "2", "tp": "2", "pp": "2", "ep": "1", "zero": "1"} and s.value == 1
+    assert s.labels == {**JOB, "dp": "2", "tp": "2", "pp": "2", "ep": "1", "zero": "1"} and \
+        s.value == 1
     m.set_layout(Layout(dp=4, tp=2, ep=2, zero=3, stages=(2,)))  # a Layout works as well
     [s] = info()
-    assert s.labels == {"dp": "4", "tp": "2", "pp": "1", "ep": "2", "zero": "3"}
+    assert s.labels == {**JOB, "dp": "4", "tp": "2", "pp": "1", "ep": "2", "zero": "3"}
     m.set_layout("dp=4,tp=2,ep=2,zero=3")  # the same labels again: still one series
     assert len(info()) == 1
     m.set_layout(None)
@@ -134,7 +147,7 @@ def test_layout_info_keeps_only_the_current_layout():
 
 
 def test_bad_input_is_rejected_and_nothing_recorded():
-    m = Metrics()
+    m = Metrics(**JOB)
     with pytest.raises(ValueError, match="result 'ok'"):
         m.observe_switch("manual", "ok", {"pause": 1.0}, 10)
     with pytest.raises(ValueError, match="rebuild"):
@@ -145,7 +158,7 @@ def test_bad_input_is_rejected_and_nothing_recorded():
 
 
 def test_each_metrics_object_has_its_own_registry():
-    a, b = Metrics(), Metrics()  # would raise "Duplicated timeseries" on a shared registry
+    a, b = Metrics(**JOB), Metrics(**JOB)  # a shared registry: "Duplicated timeseries"
     a.set_workers(5)
     assert value(a, "dynatrain_workers") == 5 and value(b, "dynatrain_workers") == 0
     assert REGISTRY.get_sample_value("dynatrain_workers") is None  # the global one is untouched
@@ -158,15 +171,52 @@ def test_serve_binds_a_free_port_and_exposes_the_registry():
         assert port > 0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             body = r.read().decode()
-        assert "dynatrain_switch_bytes_total{reason=\"scale-down\"} 12345.0" in body
+        assert ('dynatrain_switch_bytes_total{job="llama",namespace="research",'
+                'reason="scale-down"} 12345.0') in body
     finally:
         server.shutdown()
         server.server_close()
 
 
+def _exposed(registry) -> dict:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_job_metrics_set_exposes_many_jobs_apart_and_forgets_a_deleted_one():
+    # The operator's endpoint: every job's series in one exposition, one family per name.
+    registry = CollectorRegistry()
+    jobs = JobMetricsSet()
+    registry.register(jobs)
+    a = jobs.add(Metrics(namespace="team-a", job="train", reasons=["preemption"]), "uid-a")
+    b = jobs.add(Metrics(namespace="team-b", job="train", reasons=["preemption"]), "uid-b")
+    a.set_workers(4)
+    b.set_workers(2)
+    a.observe_switch("preemption", "success", {"pause": 0.1}, 100)
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE dynatrain_workers gauge") == 1
+    exposed = _exposed(registry)
+    workers = {k: v for k, v in exposed.items() if k[0] == "dynatrain_workers"}
+    assert workers == {("dynatrain_workers", (("job", "train"), ("namespace", "team-a"))): 4,
+                       ("dynatrain_workers", (("job", "train"), ("namespace", "team-b"))): 2}
+    switches = {dict(k[1])["namespace"]: v for k, v in exposed.items()
+                if k[0] == "dynatrain_switches_total" and dict(k[1])["result"] == "success"}
+    assert switches == {"team-a": 1, "team-b": 0}        # counted for its own job only
+
+    # A re-created job of the same name replaces the old one's series; deleting the old
+    # object (its uid) then leaves the new one's alone.
+    jobs.add(Metrics(namespace="team-b", job="train"), "uid-b2")
+    assert not jobs.remove("team-b", "train", "uid-b")
+    assert jobs.jobs() == [("team-a", "train"), ("team-b", "train")]
+    assert jobs.remove("team-a", "train", "uid-a")
+    a.set_workers(5)                                     # a late write of a deleted job
+    assert {dict(k[1])["namespace"] for k in _exposed(registry)} == {"team-b"}
+
+
 @pytest.mark.slow
 def test_real_prometheus_scrapes_and_queries(prometheus):  # noqa: F811  (imported fixture)
-    m = Metrics(reasons=["scale-down"])
+    m = Metrics(**JOB, reasons=["scale-down"])
     m.set_layout("dp=2,tp=2,pp=2,zero=1")
     m.set_workers(8)
     for step in (1, 2, 3):
@@ -176,6 +226,11 @@ def test_real_prometheus_scrapes_and_queries(prometheus):  # noqa: F811  (import
         prometheus.add_targets("dynatrain", [f"127.0.0.1:{port}"], {"device": "0"})
         [up] = prometheus.wait_for('up{job="dynatrain"} == 1', timeout=20)
         assert up["metric"]["device"] == "0"  # target labels reach every series
+        # honor_labels: the series' own job label wins over the target's ("dynatrain").
+        [workers] = prometheus.wait_for("dynatrain_workers", timeout=10)
+        assert {k: workers["metric"].get(k) for k in ("namespace", "job", "device")} == \
+            {**JOB, "device": "0"}
+        assert "exported_job" not in workers["metric"]
 
         # The switch happens after Prometheus has scraped its series at zero, so rate() over
         # the window sees the increment.
@@ -209,6 +264,27 @@ def test_real_prometheus_scrapes_and_queries(prometheus):  # noqa: F811  (import
         assert layout["value"][1] == "1"
 
         assert prometheus.validate_promql(quantile)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.slow
+def test_without_honor_labels_prometheus_renames_the_job_label():
+    # Why the chart's monitors (and every scrape config of DynaTrain) set honor_labels: the
+    # target's `job` label (the scrape config's) would take the place of the series' own, which
+    # Prometheus keeps as exported_job, and the dashboard's job="$job" would match nothing.
+    m = Metrics(**JOB)
+    m.set_workers(3)
+    server, port = m.serve()
+    try:
+        with PrometheusServer(require_prometheus(), honor_labels=False) as prom:
+            prom.add_targets("operator", [f"127.0.0.1:{port}"], {"namespace": "dynatrain-system"})
+            [workers] = prom.wait_for("dynatrain_workers", timeout=20)
+            assert {k: workers["metric"].get(k) for k in
+                    ("job", "exported_job", "namespace", "exported_namespace")} == {
+                "job": "operator", "exported_job": "llama",
+                "namespace": "dynatrain-system", "exported_namespace": "research"}
     finally:
         server.shutdown()
         server.server_close()

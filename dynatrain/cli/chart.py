@@ -18,12 +18,19 @@ def register(sub) -> None:
         description="The Helm chart's checked facts (its CRD copies, its dashboard's queries) "
         "and the helm binary built from the pinned Go module tools/helm.")
     actions = p.add_subparsers(dest="chart_command", metavar="ACTION", required=True)
+    parsers = {}
     for name, help_text in (
             ("sync-crd", "copy crds/*.yaml into charts/dynatrain/crds/"),
             ("check-crd", "exit 1 if the chart's CRDs differ from crds/"),
             ("queries", "print the dashboard's PromQL, one 'title<TAB>query' per line"),
             ("build-helm", "build helm from tools/helm if needed; print its path")):
-        actions.add_parser(name, help=help_text, description=help_text).set_defaults(func=run)
+        parsers[name] = actions.add_parser(name, help=help_text, description=help_text)
+        parsers[name].set_defaults(func=run)
+    for variable, field, default in (("namespace", "metadata.namespace", "default"),
+                                     ("job", "metadata.name", "quickstart")):
+        parsers["queries"].add_argument(
+            f"--{variable}", default=default,
+            help=f"the dashboard's ${variable}: the DynaTrainJob's {field} (default {default})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print("in sync")
     else:
-        for title, expr in chart.dashboard_queries():
+        for title, expr in chart.dashboard_queries(
+                variables={"namespace": args.namespace, "job": args.job}):
             print(f"{title}\t{expr}")
     return 0

@@ -85,7 +85,9 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     from dynatrain.operator.chart import dashboard_queries
 
     ended = time.time()
-    for title, expr in dashboard_queries(rate_interval="1m"):
+    # (the quickstart manifest names no namespace: it runs as default/quickstart)
+    for title, expr in dashboard_queries(rate_interval="1m", variables={
+            "namespace": "default", "job": "quickstart"}):
         series = prometheus.query_range(expr, started, ended + 30, step=2)
         values = [float(v) for s in series for _, v in s["values"]]
         finite = [v for v in values if v == v and abs(v) != float("inf")]

@@ -100,7 +100,8 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
         verbs = {dict(k[1])["verb"]: v for k, v in m.items()
                  if k[0] == "dynatrain_operator_api_requests_total"}
         assert verbs.get("POST", 0) >= 4 and verbs.get("PATCH", 0) >= 1, verbs
-        assert m[("dynatrain_operator_reconcile_seconds_count", ())] > 10
+        assert m[("dynatrain_operator_reconcile_seconds_count",
+                  (("job", "elastic"), ("namespace", namespace)))] > 10
     finally:
         untaint(core, node, SPOT_INTERRUPTION_TAINT)
         kubectl("delete", "dynatrainjob", "elastic", "-n", namespace, "--wait=false")

@@ -51,12 +51,3 @@ app.kubernetes.io/component: operator
 {{- define "dynatrain.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
-
-{{/*
-A pod label key as Prometheus' Kubernetes service discovery spells it in its meta labels
-(__meta_kubernetes_pod_label_<key>): every character that is not a letter, digit or
-underscore becomes an underscore.
-*/}}
-{{- define "dynatrain.promLabel" -}}
-{{- regexReplaceAll "[^a-zA-Z0-9_]" . "_" }}
-{{- end }}
