@@ -14,6 +14,16 @@ lazy setup has been paid. Everything else arrives through the agent:
   once; the transfer's first collective waits for the old world to arrive.
 - A device that leaves in a switch answers its Commit, lingers until its last Status has been
   read (or a few seconds), and exits 0.
+- SIGTERM is a notice, not a stop: on Kubernetes every planned removal (``kubectl delete pod``,
+  an eviction, a drain, a spot shutdown) arrives as SIGTERM with a grace period. A member
+  trains on, says ``leaving`` in its Status, and exits once a switch has taken it out of the
+  job; only if the grace period runs out first is it killed (a failure, recovered). SIGINT
+  stops at the next step boundary.
+- ``--backend auto`` (the default) trains with NCCL on the pod's GPU (``cuda:0`` of the visible
+  ones, or ``--cuda-device`` / ``LOCAL_RANK``) when the job asks for ``spec.resources.gpus >=
+  1``, with gloo on the CPU when it asks for none (:mod:`dynatrain.trainer.backend`). A GPU
+  asked for where CUDA is unavailable stops the worker at start with one line and exit code 2:
+  it never falls back to the CPU silently.
 
 RPCs run on the gRPC server's threads and only exchange small messages with the training loop
 under a lock, so an RPC (good or bad) never blocks or crashes a step. The agent's side is
@@ -36,10 +46,13 @@ from pathlib import Path
 import torch
 
 from dynatrain.controller.job import load_job
+from dynatrain.trainer.backend import (BACKENDS, BackendError, asked_for, cuda_index,
+                                       job_backend, torch_device)
 from dynatrain.trainer.trainer import warm_up
 
 from .metrics import REASONS, Metrics
 from .server import serve
+from .worker_control import DEFAULT_GRACE_S
 from .worker_loop import Worker
 
 
@@ -76,25 +89,55 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the local runner) is gone")
+    parser.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S,
+                        help="how long this worker lives on after SIGTERM before it is "
+                             "killed (the pod's terminationGracePeriodSeconds; default "
+                             "%(default)g); it reports this as its notice")
     parser.add_argument("--checkpoint-dir", default="",
                         help="where periodic checkpoints go (default: the job's "
                              "spec.recovery.checkpoint.dir)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto (default): NCCL on a GPU when the job's "
+                             "spec.resources.gpus >= 1, gloo on the CPU when 0; nccl: GPU or "
+                             "fail; gloo: the CPU, whatever the job asks for")
+    parser.add_argument("--cuda-device", type=int, default=None, metavar="N",
+                        help="with NCCL, the visible GPU to use (default: LOCAL_RANK if set, "
+                             "else 0: a pod sees only the GPUs its device plugin gave it)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     job = load_job(args.job)
-    metrics = Metrics(reasons=REASONS)
+    try:
+        backend = job_backend(args.backend, job.gpus_per_worker)
+        device = torch_device(backend, cuda_index(args.cuda_device),
+                              asked=asked_for(args.backend, job.gpus_per_worker))
+    except BackendError as e:      # at start, one line, before anything serves or trains
+        print(f"dynatrain worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if backend == "gloo" and job.gpus_per_worker:
+        print(f"device {args.device}: training on the CPU (gloo) as --backend gloo asks, "
+              f"though the job asks for spec.resources.gpus: {job.gpus_per_worker}", flush=True)
+    metrics = Metrics(namespace=job.namespace, job=job.name, reasons=REASONS)
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
-    worker = Worker(job, args.device, metrics=metrics, checkpoint_dir=args.checkpoint_dir)
+    worker = Worker(job, args.device, backend=backend, torch_device=device, metrics=metrics,
+                    checkpoint_dir=args.checkpoint_dir)
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()
+    if device.type == "cuda":      # the CUDA context too (seconds), for the same reason
+        torch.ones(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
     if job.recovery.checkpoint_interval and worker.checkpoint_dir:
         # DCP is imported lazily (~1.4 s); a job that checkpoints pays it here, not in a step.
         import dynatrain.trainer.dcp_planners  # noqa: F401
     server = serve(worker, host=args.host, port=args.agent_port, token_file=args.token_file,
                    insecure=args.insecure)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    # SIGTERM is notice (a pod deletion, an eviction, a drain: each comes with a grace
+    # period): train on until switched out. SIGINT (the local runner's stop, Ctrl-C) stops
+    # at the next step boundary.
+    worker.grace_s = args.grace_seconds
+    signal.signal(signal.SIGTERM, lambda *_: worker.leave())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
     if args.parent_pid:
         _watch_parent(args.parent_pid, worker)
     if args.ready_file:
@@ -105,6 +148,10 @@ def main(argv=None) -> int:
     try:
         return worker.run()
     finally:
+        # Done (left, finished or stopped): a SIGTERM now (the operator deletes a leaver's
+        # pod as its switch ends) must not turn the clean exit into death by signal while
+        # the interpreter shuts down and no Python handler runs any more.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.stop(1.0)
 
 

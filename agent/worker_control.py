@@ -38,6 +38,9 @@ from .v1 import agent_pb2 as pb
 
 State = pb.StatusResponse.State
 STEP_RECORDS = 1000
+DEFAULT_GRACE_S = 30.0
+"""How long a worker told to leave expects to live on (Kubernetes' default
+``terminationGracePeriodSeconds``; the worker's ``--grace-seconds``)."""
 
 
 @dataclass
@@ -80,7 +83,8 @@ class WorkerControl:
                  checkpoint_dir: str = ""):
         self.job, self.device, self.backend = job, device, backend
         self.torch_device = torch_device or torch.device("cpu")
-        self.metrics = metrics or Metrics(reasons=REASONS)
+        self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
+                                          reasons=REASONS)
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.state = State.STANDBY
@@ -95,6 +99,9 @@ class WorkerControl:
         self.error = ""
         self.store = None
         self.stopping = False
+        self.leaving_at: float | None = None
+        """Monotonic time its grace period ends, once told to leave (:meth:`leave`)."""
+        self.grace_s = DEFAULT_GRACE_S
         self.left_read = threading.Event()
         self.tokens_per_second = 0.0
         self.redundancy: Redundancy | None = None
@@ -185,11 +192,15 @@ class WorkerControl:
         new_bound = bind(layout, model)
 
         mirror = self.job.recovery.mirror and layout.world > 1
+        # The mirrors go from one host buffer (pinned, under CUDA) to another: always gloo,
+        # which NCCL (device memory only) could not carry.
+        host = mgr if self.backend == "gloo" else DeviceManager(
+            self.store, self.device, backend="gloo", timeout=timedelta(seconds=timeout_s))
 
         def build_extra(rank):
             groups = build_groups(new_bound, rank, mgr.group_factory(generation, layout))
             # Mirrors travel on a group of their own, beside the training's collectives.
-            return groups, (mgr.build_group(generation, "mirror", list(layout.device_of))
+            return groups, (host.build_group(generation, "mirror", list(layout.device_of))
                             if mirror else None)
 
         future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
@@ -290,6 +301,9 @@ class WorkerControl:
                 last_switch=self.last_switch, error=self.error,
                 tokens_per_second=self.tokens_per_second,
                 collective_wait_seconds=abandon.longest_wait())
+            if self.leaving_at is not None:
+                out.leaving = True
+                out.leaving_in_seconds = max(0.0, self.leaving_at - time.monotonic())
             if p is not None:
                 out.prepared_generation = p.generation
                 out.prepared_layout = p.layout.to_text()

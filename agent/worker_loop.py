@@ -37,7 +37,13 @@ class Worker(WorkerControl):
     """The training loop (main thread) over the state that the agent's Control shares."""
 
     def run(self) -> int:
+        told_leaving = False
         while True:
+            if self.leaving_at is not None and not told_leaving:
+                told_leaving = True          # said here: a signal handler must not print
+                print(f"device {self.device}: told to leave (SIGTERM); training on until a "
+                      f"switch takes this device out of the job, or for at most "
+                      f"{self.grace_s:g} s", flush=True)
             with self.lock:
                 if self.stopping:
                     return 0
@@ -289,6 +295,18 @@ class Worker(WorkerControl):
         no lock (the handler runs on the main thread, which may hold the lock right then);
         the loop polls the flag at least every 0.2 s."""
         self.stopping = True
+
+    def leave(self) -> None:
+        """Told to leave (SIGTERM; on Kubernetes every planned removal arrives so, with a
+        grace period): a notice, not a stop. A member trains on and reports ``leaving`` in
+        its Status, so the controller switches it out live; it exits once it has left (the
+        linger after its last switch). A worker that holds no part of the job (standing by,
+        finished, already left) has nothing to hand over and stops now. Signal-safe like
+        :meth:`stop`."""
+        if self.leaving_at is None:
+            self.leaving_at = time.monotonic() + self.grace_s
+        if self.state in (State.STANDBY, State.FINISHED, State.LEFT, State.FAILED):
+            self.stopping = True
 
 
 def _dump_state(trainer: Trainer, tag: str) -> None:

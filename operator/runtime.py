@@ -19,9 +19,11 @@ and closes the gap, and never gives up on the job. Each pass:
    and the failure or removal of workers whose pods are gone or unhealthy; **replaces**
    unhealthy pods (with back-off, in the ``WorkersHealthy`` condition) and **creates** pods up
    to the job's target while they fit, at most ``--max-pods-per-job``; a quota or admission
-   rejection becomes the ``PodsCreated`` condition and an Event, retried with back-off;
-5. lets the controller decide and switch (``tick``), records switches in the status and as
-   Events, and deletes pods switched off doomed nodes.
+   rejection becomes the ``PodsCreated`` condition and an Event, retried with back-off; over
+   the target (``kubectl scale`` down) it deletes pods that hold no part of the job;
+5. lets the controller decide and switch (``tick``; a lower target is a ``scale-down``
+   switch), records switches in the status and as Events, and deletes the pods switched off
+   doomed nodes or out by a scale-down.
 
 Every error of a pass becomes the ``Reconciled`` condition (reason and message) and a retry
 with capped exponential back-off. The job is ``Failed`` only by its own rule (the controller's
@@ -63,6 +65,8 @@ GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
 START_WAIT_S = 60.0
 """How long the first layout waits for every created worker to come up."""
 TERMINAL = ("Succeeded", "Failed")
+AUDIT_EVERY_S = 5.0
+"""How often the data audit in ``status.data`` is recomputed."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,10 @@ class JobRuntime:
         self.token, self.secret_name = "", ""
         self.conditions = Conditions()
         self.phase = "Pending"
-        self.last_switch: dict | None = None
+        self.last_switch: dict | None = (body.get("status") or {}).get("lastSwitch")
+        """As published; a restarted operator (or a replica taking over) keeps the last."""
+        self.data_audit: dict | None = None
+        self.audited_at = float("-inf")
         self.published: dict | None = None
         self.published_at = 0.0
         self.errors = Backoff(settings.backoff_first_s, settings.backoff_max_s)
@@ -511,6 +518,8 @@ class JobRuntime:
         target = self.job.workers or self.job.max_workers
         want = min(target, s.max_pods_per_job)
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
+        if len(alive) > want:
+            self._shed(alive, len(alive) - want)
         pending = [w for w in alive if w.phase == "Pending" and not w.node]
         if pending or self.expected or len(alive) >= want:
             return
@@ -550,6 +559,22 @@ class JobRuntime:
             self.conditions.set("PodsCreated", True, "Created" if not capped else "Capped",
                                 f"{len(alive) + max(0, count)} worker pods{capped}", gen)
 
+    def _shed(self, alive, surplus: int) -> None:
+        """More worker pods than wanted (``kubectl scale`` down): delete pods that hold no
+        part of the job, newest first. Members are left to the policy, which switches them
+        out live (keeping the devices that move the fewest bytes); their pods are deleted once
+        the switch is done (:meth:`_switched`)."""
+        c = self.controller
+        idle = sorted((w for w in alive if w.device not in c.members),
+                      key=lambda w: -w.device)
+        for w in idle[:surplus]:
+            self.log(f"worker {w.device}: pod {w.name} deleted: the job wants "
+                     f"{self.job.workers} workers")
+            self.left.add(w.device)
+            if w.device in c.clients:
+                c.remove_device(w.device)
+            self._delete_pod(w.name)
+
     # -- after a switch ---------------------------------------------------------------------------
     def _answered(self, req) -> None:
         """A requested layout was applied, waits for capacity, or was superseded or refused:
@@ -586,7 +611,8 @@ class JobRuntime:
                 self.left.add(d)
                 self._delete_pod(w.name)
                 continue
-            if d not in c.members and d in c.clients and w.doomed:   # switched off: free it
+            switched_off = w.doomed or (r.reason == "scale-down" and r.from_layout)
+            if d not in c.members and d in c.clients and switched_off:   # free its pod
                 self.left.add(d)
                 c.remove_device(d)
                 self._delete_pod(w.name)
@@ -599,8 +625,8 @@ class JobRuntime:
         self.conditions.set("Failed", True, "JobFailed", message,
                             self._generation())
         self._event("Warning", "Failed", message)
-        try:
-            self._delete_all_pods("the job failed")
+        try:   # grace 0: a failed job's workers would train on for their grace period
+            self._delete_all_pods("the job failed", grace=0)
         except ApiException as e:
             self.log(f"job {self.name}: deleting its pods failed ({e.status} {e.reason}); "
                      "the garbage collector removes them with the job")
@@ -611,11 +637,24 @@ class JobRuntime:
         self.phase = phase
         self._delete_all_pods(f"the job is {phase}")
 
-    def _delete_all_pods(self, why: str) -> None:
+    def stop_workers(self) -> None:
+        """The job was deleted: its workers have nothing left to hand over, and would train
+        on (SIGTERM is notice) until their grace period ends. Delete their pods with grace 0
+        (also those the garbage collector is deleting already: a shorter grace wins)."""
+        try:
+            for p in self.view.job_pods(self.namespace, self.name):
+                if k.owned_by(p, self.uid):
+                    self.log(f"job {self.name} deleted: stopping pod {p.metadata.name}")
+                    self._delete_pod(p.metadata.name, grace=0)
+        except ApiException as e:
+            self.log(f"job {self.name}: stopping its pods failed ({e.status} {e.reason}); "
+                     "they stop when their grace period ends")
+
+    def _delete_all_pods(self, why: str, grace: int | None = None) -> None:
         for p in self.view.job_pods(self.namespace, self.name):
             if k.owned_by(p, self.uid) and p.metadata.deletion_timestamp is None:
                 self.log(f"job {self.name}: deleting pod {p.metadata.name}: {why}")
-                self._delete_pod(p.metadata.name)
+                self._delete_pod(p.metadata.name, grace=grace)
 
     def _delete_pod(self, name: str, grace: int | None = None) -> None:
         """With the pod's grace period: its worker gets SIGTERM and exits cleanly (one that
@@ -641,7 +680,27 @@ class JobRuntime:
               "replacedWorkers": self.replaced}
         if self.last_switch:
             st["lastSwitch"] = self.last_switch
+        if c is not None and c.layout is not None:
+            st["data"] = self._audit()
         return st
+
+    def _audit(self) -> dict:
+        """``status.data``: whether every step's batch was read exactly once (from the
+        workers' own reports of their reads) and how many steps were trained twice. Over the
+        steps this controller has records of (an adopted job: the workers' recent ones);
+        recomputed at most every ``AUDIT_EVERY_S``."""
+        now = time.monotonic()
+        if self.data_audit is not None and now - self.audited_at < AUDIT_EVERY_S:
+            return self.data_audit
+        p = self.controller.progress
+        known = set(p.reads) | set(p.inferred)
+        since = min(known) - 1 if known else p.step
+        problems = p.audit(self.job.global_batch_size, p.step, since=since)
+        self.data_audit = {"auditedFrom": since + 1, "auditedStep": p.step,
+                           "exactlyOnce": not problems, "retrainedSteps": p.retrained,
+                           "problems": problems[:3]}
+        self.audited_at = now
+        return self.data_audit
 
     def _publish(self, force: bool = False) -> None:
         """Patch the status when it changed; the step alone at most every status_every_s."""

@@ -150,7 +150,7 @@ class SwitchReport(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., from_layout: _Optional[str] = ..., to_layout: _Optional[str] = ..., step: _Optional[int] = ..., pause_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("state", "device", "generation", "layout", "devices", "rank", "step", "data_position", "prepared_generation", "prepared_ready", "prepared_error", "last_switch", "steps", "error", "tokens_per_second", "prepared_layout", "prepared_devices", "prepared_committed", "snapshot_steps", "mirror_of", "mirror_steps", "checkpoint", "checkpoint_step", "previous_generation", "previous_layout", "previous_devices", "previous_snapshot_steps", "previous_mirror_of", "previous_mirror_steps", "collective_wait_seconds")
+    __slots__ = ("state", "device", "generation", "layout", "devices", "rank", "step", "data_position", "prepared_generation", "prepared_ready", "prepared_error", "last_switch", "steps", "error", "tokens_per_second", "prepared_layout", "prepared_devices", "prepared_committed", "snapshot_steps", "mirror_of", "mirror_steps", "checkpoint", "checkpoint_step", "previous_generation", "previous_layout", "previous_devices", "previous_snapshot_steps", "previous_mirror_of", "previous_mirror_steps", "collective_wait_seconds", "leaving", "leaving_in_seconds")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[StatusResponse.State]
@@ -199,6 +199,8 @@ class StatusResponse(_message.Message):
     PREVIOUS_MIRROR_OF_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_MIRROR_STEPS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     state: StatusResponse.State
     device: int
     generation: int
@@ -229,4 +231,6 @@ class StatusResponse(_message.Message):
     previous_mirror_of: int
     previous_mirror_steps: _containers.RepeatedScalarFieldContainer[int]
     collective_wait_seconds: float
-    def __init__(self, state: _Optional[_Union[StatusResponse.State, str]] = ..., device: _Optional[int] = ..., generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ..., prepared_generation: _Optional[int] = ..., prepared_ready: _Optional[bool] = ..., prepared_error: _Optional[str] = ..., last_switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., error: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., prepared_layout: _Optional[str] = ..., prepared_devices: _Optional[_Iterable[int]] = ..., prepared_committed: _Optional[bool] = ..., snapshot_steps: _Optional[_Iterable[int]] = ..., mirror_of: _Optional[int] = ..., mirror_steps: _Optional[_Iterable[int]] = ..., checkpoint: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., previous_generation: _Optional[int] = ..., previous_layout: _Optional[str] = ..., previous_devices: _Optional[_Iterable[int]] = ..., previous_snapshot_steps: _Optional[_Iterable[int]] = ..., previous_mirror_of: _Optional[int] = ..., previous_mirror_steps: _Optional[_Iterable[int]] = ..., collective_wait_seconds: _Optional[float] = ...) -> None: ...
+    leaving: bool
+    leaving_in_seconds: float
+    def __init__(self, state: _Optional[_Union[StatusResponse.State, str]] = ..., device: _Optional[int] = ..., generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ..., prepared_generation: _Optional[int] = ..., prepared_ready: _Optional[bool] = ..., prepared_error: _Optional[str] = ..., last_switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., error: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., prepared_layout: _Optional[str] = ..., prepared_devices: _Optional[_Iterable[int]] = ..., prepared_committed: _Optional[bool] = ..., snapshot_steps: _Optional[_Iterable[int]] = ..., mirror_of: _Optional[int] = ..., mirror_steps: _Optional[_Iterable[int]] = ..., checkpoint: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., previous_generation: _Optional[int] = ..., previous_layout: _Optional[str] = ..., previous_devices: _Optional[_Iterable[int]] = ..., previous_snapshot_steps: _Optional[_Iterable[int]] = ..., previous_mirror_of: _Optional[int] = ..., previous_mirror_steps: _Optional[_Iterable[int]] = ..., collective_wait_seconds: _Optional[float] = ..., leaving: _Optional[bool] = ..., leaving_in_seconds: _Optional[float] = ...) -> None: ...

@@ -1,5 +1,5 @@
-"""Overlapping events: random scenarios of notices, joins, requested layouts, kills and hangs a
-few steps apart, each judged against the same job without events (``dynatrain bench chaos
+"""Overlapping events: random scenarios of notices, evictions (SIGTERM), joins, requested
+layouts, kills and hangs a few steps apart, each judged against the same job without events (``dynatrain bench chaos
 --overlap N``, and the property test in ``tests/controller/test_overlap.py``).
 
 A scenario (:func:`random_scenario`) is drawn from a seed: 3 to 6 events, most 0 to 2 steps
@@ -10,7 +10,7 @@ scenario. :func:`judge` names everything that is wrong with it:
 - the losses differ from the run without events (more than 1e-5 relative, at any step);
 - a sample of some step was not read exactly once (``samples_exactly_once`` and the audit);
 - a requested layout was neither applied nor answered;
-- a preemption notice or a kill was acted on (a switch or recovery *started*: the
+- a preemption notice, an eviction or a kill was acted on (a switch or recovery *started*: the
   controller's ``decisions``) more than one step after it was due, or a hang was not
   recovered within the watchdog plus ``HANG_SLACK_S``.
 
@@ -63,11 +63,17 @@ def random_scenario(seed: int, *, steps: int = STEPS, initial: int = 4,
     hang; mostly 0-2 steps apart (deliberate overlaps), all before ``steps - 12``."""
     rng = random.Random(seed)
     alive, next_id, hung = list(range(initial)), initial, False
+    # Workers certainly up and in the job: a joiner counts a few steps after its join (it
+    # takes seconds to start), and a requested layout's leavers exit (a layout for w workers
+    # leaves at most w). A removal needs more than two of them, so some always remain.
+    sure, joining = initial, []
     events, step = [], rng.randint(6, 9)
     for _ in range(rng.randint(3, 6)):
+        sure += sum(n for at, n in joining if at <= step)
+        joining = [(at, n) for at, n in joining if at > step]
         kinds = ["layout"]
-        if len(alive) > 2:
-            kinds += ["preempt", "kill", "kill"] + ([] if hung else ["hang"])
+        if len(alive) > 2 and sure > 2:
+            kinds += ["preempt", "evict", "kill", "kill"] + ([] if hung else ["hang"])
         if len(alive) < max_workers:
             kinds += ["join", "join"]
         kind = rng.choice(kinds)
@@ -75,16 +81,22 @@ def random_scenario(seed: int, *, steps: int = STEPS, initial: int = 4,
             count = rng.randint(1, min(2, max_workers - len(alive)))
             alive += list(range(next_id, next_id + count))
             next_id += count
+            joining.append((step + 4, count))
             events.append({"atStep": step, "join": count})
         elif kind == "layout":
-            events.append({"atStep": step, "layout": rng.choice(LAYOUTS)})
+            layout = rng.choice(LAYOUTS)
+            sure = min(sure, _world(layout))
+            events.append({"atStep": step, "layout": layout})
         else:
             victim = rng.choice(alive)
             alive.remove(victim)
+            sure -= 1
             hung = hung or kind == "hang"
             body = {"workers": [victim]}
             if kind == "preempt":
                 body["noticeSeconds"] = 30
+            elif kind == "evict":
+                body["graceSeconds"] = 30
             events.append({"atStep": step, kind: body})
         step += rng.choice([0, 1, 1, 2, 2, 3])
         if step > steps - 12:
@@ -149,7 +161,7 @@ def lateness(out: dict, watchdog_s: float = WATCHDOG_S) -> list[tuple[dict, str]
         why = ""
         if ev["taken_step"] - ev["at_step"] > MAX_LATE_STEPS:
             why = f"was taken in at step {ev['taken_step']}"
-        elif ev["kind"] in ("preempt", "kill", "hang") and ev["workers"]:
+        elif ev["kind"] in ("preempt", "evict", "kill", "hang") and ev["workers"]:
             act = next((d for d in out["decisions"] if d["time"] >= ev["time"]
                         and not set(ev["workers"]) & set(d["devices"])), None)
             victim_member = _member_at(out, ev)
@@ -172,6 +184,11 @@ def _member_at(out: dict, ev: dict) -> bool:
     starting worker's loss needs no switch)."""
     before = [d for d in out["decisions"] if d["time"] <= ev["time"]]
     return bool(before) and bool(set(ev["workers"]) & set(before[-1]["devices"]))
+
+
+def _world(layout: str) -> int:
+    sizes = dict(part.split("=") for part in layout.split(","))
+    return int(sizes["dp"]) * int(sizes["tp"]) * int(sizes["pp"])
 
 
 def bench_overlap(trials: int, *, seed: int = 0, steps: int = STEPS, timeout_s: float = 600.0,

@@ -75,7 +75,8 @@ class JobController:
                  metrics: Metrics | None = None, policy: Policy | None = None,
                  timeouts: Timeouts = Timeouts(), devices_per_node: int = 8, log=print):
         self.job, self.rendezvous, self.profile = job, rendezvous, profile
-        self.metrics = metrics or Metrics(reasons=REASONS)
+        self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
+                                          reasons=REASONS)
         self.policy = policy or Policy()
         self.timeouts, self.devices_per_node, self.log = timeouts, devices_per_node, log
         self.clients: dict[int, AgentClient] = {}
@@ -431,6 +432,11 @@ class JobController:
                 continue
             self._last_answer[d] = time.monotonic()
             self._misses.pop(d, None)
+            if st.leaving and d not in self.doomed:
+                # Told to leave (SIGTERM with a grace period): a notice from the worker itself.
+                self.log(f"device {d} is leaving ({st.leaving_in_seconds:.0f} s of its grace "
+                         "period left): switching it out")
+                self.notice(d, st.leaving_in_seconds)
             if st.state == State.FAILED and judge:
                 raise JobFailed(f"device {d} failed: {st.error}")
             states.append(st.state)
@@ -740,6 +746,7 @@ class JobController:
     def _rewind(self, step: int) -> None:
         """Forget progress after ``step``: those steps are trained again."""
         p = self.progress
+        p.retrained += max(0, p.step - step)
         p.step = step
         p.losses = {k: v for k, v in p.losses.items() if k <= step}
         p.reads = {k: v for k, v in p.reads.items() if k <= step}

@@ -3,7 +3,8 @@
 It plays the part the cluster plays for the operator: it starts worker processes
 (``python -m dynatrain.agent.worker``, each an agent in standby), hosts the rendezvous store,
 gives the controller core the workers' agents as they come up, turns scenario events into
-capacity signals (a preemption notice now, the kill at the deadline; new workers), and shows
+capacity signals (a preemption notice now, the kill at the deadline; an eviction's SIGTERM,
+which the worker itself reports; new workers), and shows
 live progress. Everything else (which layout, when to switch, the switch itself) is the
 controller core's and the agents' work, exactly as on a cluster.
 
@@ -33,6 +34,8 @@ import torch.distributed as dist
 
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
+from dynatrain.agent.worker_control import DEFAULT_GRACE_S
+from dynatrain.trainer.backend import visible_gpu
 
 from .core import JobController, JobFailed
 from .hardware import DeviceProfile
@@ -105,7 +108,7 @@ class LocalRunner:
                  metrics_port: int = 0, prometheus_sd: str | None = None,
                  threads_per_worker: int = 0, timeouts: Timeouts | None = None,
                  resume_from: str = "", restart_on_failure: bool = False,
-                 worker_env: dict[int, dict[str, str]] | None = None):
+                 worker_env: dict[int, dict[str, str]] | None = None, backend: str = "auto"):
         self.job, self.job_path, self.scenario = job, job_path, scenario
         self.run_dir, self.out = run_dir, out
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +118,7 @@ class LocalRunner:
         self.token_file.chmod(0o600)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeouts.group_s))
-        self.metrics = Metrics(reasons=REASONS)
+        self.metrics = Metrics(namespace=job.namespace, job=job.name, reasons=REASONS)
         _, self.metrics_port = self.metrics.serve(port=metrics_port)
         self.prometheus_sd = prometheus_sd
         self.controller = JobController(job, rendezvous=f"127.0.0.1:{self.store.port}",
@@ -136,6 +139,10 @@ class LocalRunner:
         newest checkpoint (``dynatrain bench chaos`` measures both)."""
         self.worker_env = worker_env or {}
         """Extra environment per device (fault injection in ``dynatrain bench chaos``)."""
+        self.backend = backend
+        """Every worker's ``--backend`` (``dynatrain run --backend``; auto: from the job)."""
+        self.gpu_of: dict[int, int] = {}
+        """Device -> the GPU (index among ours) its worker was given, for GPU workers."""
         self.kills: list[tuple[int, float]] = []
         """(device, wall time) of every scenario kill."""
         self.restarts: list[tuple[int, float]] = []
@@ -146,6 +153,10 @@ class LocalRunner:
         """Scenario events not yet due."""
         self.event_log: list[dict] = []
         self.controller.intake = self._intake
+        self.grace_s = min([e.notice_seconds for e in scenario.events if e.kind == "evict"],
+                           default=DEFAULT_GRACE_S)
+        """What the workers report as their grace period once told to leave: the shortest
+        of the scenario's evictions (a pod's is set when it starts, as on Kubernetes)."""
 
     def _say(self, text: str) -> None:
         self.out(f"[{time.monotonic() - self.t0:6.1f}s] {text}")
@@ -165,8 +176,16 @@ class LocalRunner:
             cmd = [sys.executable, "-m", "dynatrain.agent.worker", "--job", self.job_path,
                    "--device", str(d), "--token-file", str(self.token_file),
                    "--ready-file", str(ready), "--threads", str(self.threads),
-                   "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir]
+                   "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir,
+                   "--grace-seconds", f"{self.grace_s:g}"]
             env = {**os.environ, **self.worker_env.get(d, {})}
+            cmd += ["--backend", self.backend]
+            if self.backend == "nccl" or (self.backend == "auto" and self.job.gpus_per_worker):
+                # One GPU per worker, as a device plugin gives each pod its own: the lowest
+                # that no live worker holds, and the only one the worker sees (its cuda:0).
+                held = {self.gpu_of.get(w) for w in self.workers}
+                self.gpu_of[d] = min(i for i in range(len(held) + 1) if i not in held)
+                env["CUDA_VISIBLE_DEVICES"] = visible_gpu(self.gpu_of[d])
             with open(log, "w") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env)
@@ -212,16 +231,17 @@ class LocalRunner:
                       f"{_tail(w.log, 5)}")
 
     def _write_sd(self) -> None:
-        """Prometheus file_sd targets: the controller and every live worker."""
+        """Prometheus file_sd targets: the controller and every live worker. The series carry
+        the job's ``namespace`` and ``job`` themselves: scrape with ``honor_labels: true``, or
+        Prometheus's own ``job`` label (the scrape config's name) takes that name."""
         if not self.prometheus_sd:
             return
         targets = [{"targets": [f"127.0.0.1:{self.metrics_port}"],
-                    "labels": {"role": "controller", "dynatrain_job": self.job.name}}]
+                    "labels": {"role": "controller"}}]
         for w in self.workers.values():
             if w.proc.poll() is None and w.metrics:
                 targets.append({"targets": [w.metrics],
-                                "labels": {"role": "worker", "device": str(w.device),
-                                           "dynatrain_job": self.job.name}})
+                                "labels": {"role": "worker", "device": str(w.device)}})
         tmp = Path(self.prometheus_sd + ".tmp")
         tmp.write_text(json.dumps(targets))
         tmp.rename(self.prometheus_sd)
@@ -298,6 +318,17 @@ class LocalRunner:
                 w.kill_at = time.monotonic() + event.notice_seconds
                 w.expected_exit = True
                 self.controller.notice(d, event.notice_seconds)
+        elif event.kind == "evict":
+            for d in event.workers:
+                w = self.workers.get(d)
+                if w is None or w.proc.poll() is not None:
+                    self._say(f"  worker {d} is not running; nothing to evict")
+                    continue
+                # What the kubelet does to an evicted pod: SIGTERM, SIGKILL when the grace
+                # period ends. The controller learns of it from the worker's Status alone.
+                w.proc.send_signal(signal.SIGTERM)
+                w.kill_at = time.monotonic() + event.notice_seconds
+                w.expected_exit = True
         elif event.kind == "kill":
             for d in event.workers:
                 w = self.workers.get(d)
@@ -388,7 +419,7 @@ class LocalRunner:
     def _stop_all(self) -> None:
         for w in self.workers.values():
             if w.proc.poll() is None:
-                w.proc.terminate()
+                w.proc.send_signal(signal.SIGINT)   # stop now (SIGTERM would be a notice)
         for w in self.workers.values():
             try:
                 w.proc.wait(timeout=10)

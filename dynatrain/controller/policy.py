@@ -5,6 +5,10 @@
   state on the doomed device.
 - **A requested layout** (``parallelism.mode: fixed`` with a layout that differs from the
   running one): switch at once.
+- **Fewer workers wanted** (``spec.elastic.workers`` below the running layout's, as ``kubectl
+  scale`` sets it; never below ``minWorkers``, which the CRD and the parser enforce): switch at
+  once to the best layout on that many devices, keeping the devices that make the switch move
+  the fewest bytes; the front end then deletes the leavers' pods.
 - **New capacity**: grow to the most devices (up to ``spec.elastic.workers`` or
   ``maxWorkers``) for which a layout exists, with the solver's best layout for that count: the
   user's bounds say how many GPUs the job should use, the solver says how to use them.
@@ -21,16 +25,25 @@ uses all of them (e.g. 5 devices for a global batch of 12).
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from dataclasses import dataclass
 
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.placement import place_devices
+from dynatrain.vps.planner import plan_switch
 
 from .costmodel import Estimate, SolverError, estimate
 from .hardware import DeviceProfile
 from .job import JobSpec
 from .solver import solve
+
+
+SHRINK_CANDIDATES = 64
+"""Keep sets planned exhaustively on a scale-down, at most (C(8, 6) = 28)."""
+SHRINK_SECONDS = 2.0
+"""Planning time a scale-down's choice of leavers may take (plans of a huge model are slow)."""
 
 
 @dataclass
@@ -75,6 +88,10 @@ class Policy:
                 best = solve(job.model, job.layout.world, profile, fixed=job.layout, **kw)
                 return self._place(job, current, usable, best, "requested")
             return None
+        if job.mode != "fixed" and job.workers is not None and current.world > job.workers:
+            # Fewer workers wanted (``kubectl scale`` down): at once, as a request is.
+            best = self._best(job, profile, cap, kw)
+            return self._shrink(job, current, usable, best)
         if job.mode == "fixed" or steps_left < self.min_steps_left:
             return None
         if time.monotonic() - self.last_voluntary < self.cooldown_s:
@@ -108,6 +125,34 @@ class Policy:
                 errors.append(f"{n} devices: {e}")
         raise SolverError("no layout fits between spec.elastic.minWorkers="
                           f"{job.min_workers} and {cap} devices: " + "; ".join(errors))
+
+    @staticmethod
+    def _shrink(job, current: Layout, usable: list[int], best: Estimate) -> Decision:
+        """Scale down: of the running layout's devices, keep the ones that make the switch
+        move the fewest bytes over the network (every keep set is planned while there are at
+        most ``SHRINK_CANDIDATES``, else a few built from the layout's structure); on a tie
+        the lowest device ids stay. The others leave and their pods are deleted."""
+        n = best.layout.world
+        pool = sorted(d for d in current.device_of if d in usable)
+        if len(pool) < n:                         # not enough members left: standbys too
+            pool += [d for d in sorted(usable) if d not in pool]
+        if math.comb(len(pool), n) <= SHRINK_CANDIDATES:
+            candidates = itertools.combinations(pool, n)
+        else:
+            by_rank = list(current.device_of)
+            candidates = [tuple(by_rank[:n]), tuple(by_rank[-n:]), tuple(pool[:n])]
+        chosen, cost = None, None
+        deadline = time.monotonic() + SHRINK_SECONDS
+        for keep in candidates:
+            if not set(keep) <= set(usable):
+                continue
+            layout = place_devices(job.model, current, best.layout, sorted(keep))
+            moved = sum(plan_switch(job.model, current, layout).need.values())
+            if cost is None or moved < cost:
+                chosen, cost = layout, moved
+            if time.monotonic() > deadline:      # a huge model: the best found so far
+                break
+        return Decision(chosen, "scale-down", best)
 
     @staticmethod
     def _place(job, current: Layout | None, usable: list[int], best: Estimate,

@@ -29,6 +29,9 @@ class Progress:
     finished: bool = False
     first_step: int = 0
     """The step the job started from (a checkpoint's); samples before it are not this run's."""
+    retrained: int = 0
+    """Steps trained a second time (a recovery went back to an older step): 0 while every
+    capacity change was a planned switch."""
 
     @property
     def samples(self) -> list[tuple[int, int]]:
@@ -39,12 +42,15 @@ class Progress:
             out.extend(self.inferred.get(k, []))
         return out
 
-    def audit(self, global_batch_size: int, last_step: int) -> list[str]:
+    def audit(self, global_batch_size: int, last_step: int, *,
+              since: int | None = None) -> list[str]:
         """Each step's global batch must be read exactly once: steps ``first_step+1 ..
-        last_step``, step k owning samples [(k-1)*gbs, k*gbs). Returns the discrepancies,
-        each naming the step and the samples (empty: exactly once)."""
+        last_step`` (``since+1 ..`` when given: a controller that adopted a running job has
+        the workers' recent records only), step k owning samples [(k-1)*gbs, k*gbs). Returns
+        the discrepancies, each naming the step and the samples (empty: exactly once)."""
         problems = []
-        for k in range(self.first_step + 1, last_step + 1):
+        start = self.first_step if since is None else max(self.first_step, since)
+        for k in range(start + 1, last_step + 1):
             lo, hi = (k - 1) * global_batch_size, k * global_batch_size
             got = sorted([(b, e, f"device {d}") for d, (b, e) in self.reads.get(k, {}).items()]
                          + [(b, e, "inferred") for b, e in self.inferred.get(k, [])])

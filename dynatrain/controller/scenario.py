@@ -5,6 +5,10 @@ initialWorkers: 4          # optional; default spec.elastic.workers or maxWorker
 events:
   - atStep: 15
     preempt: {workers: [3], noticeSeconds: 30}   # notice now, the process is killed later
+  - atStep: 20
+    evict: {workers: [2], graceSeconds: 30}      # SIGTERM now (what Kubernetes sends), SIGKILL
+                                                 # at the deadline: the worker reports it is
+                                                 # leaving and is switched out live
   - atStep: 30
     join: 1                                     # new workers start in standby
   - atStep: 45
@@ -29,7 +33,7 @@ import yaml
 
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 
-KINDS = ("preempt", "join", "layout", "kill", "hang")
+KINDS = ("preempt", "evict", "join", "layout", "kill", "hang")
 
 
 class ScenarioError(ValueError):
@@ -42,6 +46,7 @@ class Event:
     kind: str
     workers: tuple[int, ...] = ()
     notice_seconds: float = 30.0
+    """A preemption's notice, or an eviction's grace period."""
     count: int = 0
     layout: Layout | None = None
 
@@ -49,6 +54,9 @@ class Event:
         if self.kind == "preempt":
             return (f"preemption notice for worker(s) {list(self.workers)} "
                     f"({self.notice_seconds:g} s)")
+        if self.kind == "evict":
+            return (f"worker(s) {list(self.workers)} evicted (SIGTERM, "
+                    f"{self.notice_seconds:g} s grace)")
         if self.kind == "kill":
             return f"worker(s) {list(self.workers)} killed without notice"
         if self.kind == "hang":
@@ -100,16 +108,18 @@ def parse_scenario(doc, *, source: str = "scenario") -> Scenario:
             continue
         kind = kinds[0]
         value = e[kind]
-        if kind == "preempt":
+        if kind in ("preempt", "evict"):
+            field = "noticeSeconds" if kind == "preempt" else "graceSeconds"
             if not isinstance(value, dict) or not isinstance(value.get("workers"), list) \
-                    or not value["workers"] \
-                    or not all(isinstance(w, int) and w >= 0 for w in value["workers"]):
-                problems.append(f"{where}.preempt must be {{workers: [ids], noticeSeconds: "
-                                f"N}} with worker ids >= 0, got {value!r}")
+                    or not value["workers"] or set(value) - {"workers", field} \
+                    or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0
+                               for w in value["workers"]):
+                problems.append(f"{where}.{kind} must be {{workers: [ids], {field}: N}} "
+                                f"with worker ids >= 0, got {value!r}")
                 continue
-            notice = value.get("noticeSeconds", 30)
+            notice = value.get(field, 30)
             if isinstance(notice, bool) or not isinstance(notice, (int, float)) or notice <= 0:
-                problems.append(f"{where}.preempt.noticeSeconds={notice!r} must be positive")
+                problems.append(f"{where}.{kind}.{field}={notice!r} must be positive")
                 continue
             events.append(Event(step, kind, workers=tuple(value["workers"]),
                                 notice_seconds=float(notice)))

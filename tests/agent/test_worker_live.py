@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -61,7 +62,8 @@ def workers(tmp_path):
         yield clients, f"127.0.0.1:{store.port}", token.read_text(), procs
     finally:
         for p in procs:
-            p.terminate()
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)     # stop now (SIGTERM is a notice)
         for p in procs:
             p.wait(10)
 
@@ -122,3 +124,29 @@ def test_bad_requests_are_refused_while_training_goes_on(workers):
     assert clients[0].status().state == agent_pb2.StatusResponse.LEFT
     assert procs[0].wait(15) == 0  # the leaver exits cleanly after its last Status was read
     _wait_steps(clients[1], 2)
+
+
+def test_sigterm_is_a_notice_the_worker_trains_on_and_leaves_when_switched_out(workers):
+    # On Kubernetes every planned removal arrives as SIGTERM with a grace period: a member
+    # must not stop (that would be a failure) but say it is leaving and train on until a
+    # switch takes it out; then it exits 0. A standby worker stops at once.
+    clients, rdv, token, procs = workers
+    c0, c1 = clients[0], clients[1]
+    two = parse_layout("dp=2").with_devices([0, 1])
+    switch(clients, 1, None, two, rdv, reason="start")
+    _wait_steps(c0, 2)
+    assert not c0.status().leaving
+    procs[0].send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while not c0.status().leaving:
+        assert time.monotonic() < deadline, "the worker did not report that it is leaving"
+        time.sleep(0.05)
+    st = c0.status()
+    assert 0 < st.leaving_in_seconds <= 30          # its --grace-seconds (the default 30)
+    _wait_steps(c0, 3)                              # ...and it trains on meanwhile
+    assert procs[0].poll() is None
+    only1 = parse_layout("dp=1").with_devices([1])
+    rec = switch(clients, 2, two, only1, rdv, reason="preemption")
+    assert rec.result == "success"
+    assert procs[0].wait(15) == 0                   # out of the job: it exits cleanly
+    _wait_steps(c1, 2)

@@ -79,6 +79,10 @@ def test_missing_file_is_named(tmp_path):
     ({"events": [{"atStep": 3, "preempt": {"workers": []}}]}, "events[0].preempt"),
     ({"events": [{"atStep": 3, "preempt": {"workers": [1], "noticeSeconds": 0}}]},
      "noticeSeconds"),
+    ({"events": [{"atStep": 3, "evict": {"workers": [1], "graceSeconds": -1}}]},
+     "events[0].evict.graceSeconds"),
+    ({"events": [{"atStep": 3, "evict": {"workers": [1], "noticeSeconds": 5}}]},
+     "events[0].evict must be {workers: [ids], graceSeconds: N}"),
     ({"events": [{"atStep": 3, "layout": "dp=x"}]}, "events[0].layout"),
     ({"events": [{"atStep": 3, "join": 1, "oops": 2}]}, "oops"),
     ({"initialWorkers": 0}, "initialWorkers"),
@@ -95,6 +99,14 @@ def test_scenario_events_sorted_by_step():
                                     {"atStep": 2, "preempt": {"workers": [0]}}]})
     assert [e.at_step for e in sc.events] == [2, 9]
     assert sc.events[0].notice_seconds == 30.0
+
+
+def test_an_eviction_carries_its_grace_period():
+    sc = parse_scenario({"events": [{"atStep": 4, "evict": {"workers": [2, 3],
+                                                            "graceSeconds": 12}}]})
+    (ev,) = sc.events
+    assert (ev.kind, ev.workers, ev.notice_seconds) == ("evict", (2, 3), 12.0)
+    assert "SIGTERM" in ev.describe() and "12 s grace" in ev.describe()
 
 
 def test_run_cli_reports_bad_input_in_one_line(tmp_path, capsys):

@@ -110,6 +110,40 @@ def test_a_member_that_just_joined_is_not_the_single_point_of_loss(tmp_path, ref
     assert req["state"] in ("waiting", "refused") and "failure" in out["stdout"]
 
 
+def test_an_evicted_worker_is_switched_out_live_within_its_grace_period(tmp_path, reference):
+    # Kubernetes' planned removals (pod deletion, Eviction API, drain, spot shutdown) arrive
+    # as SIGTERM with a grace period. The worker trains on and says it is leaving in its
+    # Status; the controller switches it out (a preemption, not a failure) and it exits 0.
+    scenario = {"initialWorkers": 4, "events": [
+        {"atStep": 8, "evict": {"workers": [3], "graceSeconds": 30}}]}
+    out = run(tmp_path, "evict", scenario)
+    check_run(out, reference)
+    assert "device 3 is leaving" in out["stdout"]
+    assert out["recoveries"] == [], out["recoveries"]
+    (sw,) = out["switches"]
+    assert sw["reason"] == "preemption" and sw["workers_after"] == 3, sw
+    assert 3 not in out["decisions"][-1]["devices"]
+    assert "notice expired, killed" not in out["stdout"]     # it left long before the kill
+    log = (tmp_path / "evict" / "worker-3.log").read_text()
+    assert "told to leave (SIGTERM)" in log
+
+
+def test_an_eviction_whose_grace_runs_out_before_the_switch_is_a_failure(tmp_path, reference):
+    # The evicted worker's own preparation of the switch that would take it out hangs (a
+    # fault point), so its 3 s of grace run out first: the kill is a failure, recovered from
+    # the in-memory copies, and the job still ends as the run without events.
+    scenario = {"initialWorkers": 4, "events": [
+        {"atStep": 8, "evict": {"workers": [3], "graceSeconds": 3}}]}
+    out = run(tmp_path, "evict-late", scenario,
+              env={"DYNATRAIN_FAULT": "device:3,at:prepare,mode:hang,skip:1"})
+    check_run(out, reference)
+    assert "device 3 is leaving" in out["stdout"]
+    assert "worker 3: notice expired, killed" in out["stdout"]
+    assert [r["reason"] for r in out["recoveries"]] == ["failure"], out["recoveries"]
+    assert not any(s["reason"] == "preemption" and s["result"] == "success"
+                   for s in out["switches"])
+
+
 def _seeds() -> list[int]:
     extra = int(os.environ.get("DYNATRAIN_OVERLAP_SEEDS", "0") or 0)
     return list(CI_SEEDS) + list(range(100, 100 + extra))
@@ -139,8 +173,9 @@ def test_scenarios_overlap_and_stay_runnable():
         for e in sc["events"]:
             kind = next(k for k in e if k != "atStep")
             kinds.add(kind)
-            alive += e.get("join", 0) - (1 if kind in ("preempt", "kill", "hang") else 0)
+            alive += e.get("join", 0) - (1 if kind in ("preempt", "evict", "kill", "hang")
+                                         else 0)
             assert 2 <= alive <= 5
         assert sum(1 for e in sc["events"] if "hang" in e) <= 1
-    assert kinds == {"preempt", "join", "layout", "kill", "hang"}
+    assert kinds == {"preempt", "evict", "join", "layout", "kill", "hang"}
     assert gaps.count(0) > 20 and gaps.count(1) > 50        # same step, and the next

@@ -84,3 +84,32 @@ def test_parallelism_limits_bound_the_solver(job):
     d = Policy().decide(bounded, PROFILE, None, [0, 1, 2, 3], set(), 0)
     assert d.layout.pp == 1 and d.layout.tp == 1 and d.layout.zero == 0
     assert free.world == d.layout.world == 4
+
+
+def test_scaling_down_keeps_the_devices_that_move_the_fewest_bytes(job):
+    import itertools
+
+    from dynatrain.vps.placement import place_devices
+    from dynatrain.vps.planner import plan_switch
+
+    # Four pipeline stages on devices 5, 3, 0, 6 (rank order); two workers wanted.
+    current = parse_layout("dp=1,tp=1,pp=4").with_devices([5, 3, 0, 6])
+    d = Policy(cooldown_s=3600).decide(replace(job, workers=2), PROFILE, current,
+                                       [0, 3, 5, 6], set(), 10)
+    assert d.reason == "scale-down" and d.layout.world == 2
+    moved = {keep: sum(plan_switch(job.model, current, place_devices(
+        job.model, current, d.estimate.layout, keep)).need.values())
+        for keep in itertools.combinations([0, 3, 5, 6], 2)}
+    best = min(moved.values())
+    assert sorted(d.layout.device_of) == [5, 6]       # first and last stage (embeddings)
+    assert moved[(5, 6)] == best and sorted(moved.values())[1] > best
+    assert moved[(0, 3)] > best                       # the lowest ids would move more
+
+
+def test_scaling_down_waits_for_nothing_and_stops_at_the_wanted_count(job):
+    p = Policy(cooldown_s=3600)
+    p.record_voluntary()                              # a cooldown does not hold it back
+    current = parse_layout("dp=4,tp=1,pp=1").with_devices([0, 1, 2, 3])
+    d = p.decide(replace(job, workers=3), PROFILE, current, [0, 1, 2, 3], set(), 10)
+    assert d.reason == "scale-down" and d.layout.world <= 3
+    assert p.decide(replace(job, workers=4), PROFILE, current, [0, 1, 2, 3], set(), 10) is None
