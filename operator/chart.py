@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHART_DIR = REPO / "charts" / "dynatrain"
 CRD_SOURCE = REPO / "crds" / "dynatrainjob.yaml"
 CHART_CRD = CHART_DIR / "crds" / "dynatrainjob.yaml"
-CRD_SOURCES = (CRD_SOURCE, REPO / "crds" / "kopf-peering.yaml")
-"""Every CRD file the chart carries a copy of (the operator's peering CRDs too)."""
+CRD_SOURCES = (CRD_SOURCE,)
+"""Every CRD file the chart carries a copy of."""
 DASHBOARD = CHART_DIR / "dashboards" / "dynatrain.json"
 
 
@@ -48,10 +48,12 @@ def sync_crd() -> bool:
 
 # -- the Grafana dashboard's queries --------------------------------------------------------
 
-# What the dashboard's template variables become outside Grafana. ".*" selects every job and
-# namespace (and, being able to match the empty string, also series without a namespace label,
-# as in a local `dynatrain run`); gpus_per_worker is the text box the GPU curve multiplies by.
-DEFAULT_VARIABLES = {"namespace": ".*", "dynatrain_job": ".*", "gpus_per_worker": "1"}
+# What the dashboard's template variables become outside Grafana: the dashboard shows one job,
+# by its namespace and name (every series carries both as labels; see agent/metrics.py), by
+# default the quickstart example run locally (`dynatrain run examples/quickstart.yaml`, whose
+# manifest names no namespace: "default"); gpus_per_worker is the text box the GPU curve
+# multiplies by.
+DEFAULT_VARIABLES = {"namespace": "default", "job": "quickstart", "gpus_per_worker": "1"}
 
 
 def dashboard_queries(rate_interval: str = "1m", *,

@@ -1,9 +1,8 @@
 """The kopf handlers: one daemon per DynaTrainJob reconciles it with its :class:`~.runtime.JobRuntime`.
 
 kopf gives us the watch of DynaTrainJob objects, a daemon thread per job (started on create
-and on operator start for jobs that exist: that is how a restarted operator takes over),
-peering (only one operator of a peering group acts at a time: HA by standby replicas), and
-the liveness endpoint. The daemon never gives up on its job: every pass's error is a status
+and on operator start for jobs that exist: that is how a restarted operator, or a standby
+replica that won the leader Lease (:mod:`.leader`), takes over), and the liveness endpoint. The daemon never gives up on its job: every pass's error is a status
 condition and a retry with back-off (the runtime's), and it returns only when the job is over
 (Succeeded or Failed) or deleted. Deleting a job stops its daemon; its pods, Service, ConfigMap
 and Secret carry owner references to it, so the cluster's garbage collector removes them.
@@ -11,6 +10,12 @@ and Secret carry owner references to it, so the cluster's garbage collector remo
 All jobs share one :class:`~.informer.ClusterView` (one watch of nodes and one of pods for the
 whole operator), so a pass reads memory, not the apiserver; a change to a job's pods or to a
 node wakes that job's pass early.
+
+Each job has its own :class:`~dynatrain.agent.metrics.Metrics` (every series labelled with its
+namespace and name), all exposed on the operator's one ``/metrics`` endpoint through a
+:class:`~dynatrain.agent.metrics.JobMetricsSet`, next to the operator's own metrics. A job's
+series live as long as the DynaTrainJob object: a finished job's last values stay visible, a
+deleted job's are dropped (:func:`forget_job`).
 """
 
 from __future__ import annotations
@@ -22,15 +27,16 @@ import time
 
 import kopf
 from kubernetes import client, config
+from prometheus_client import CollectorRegistry, start_http_server
 
-from dynatrain.agent.metrics import REASONS, Metrics
+from dynatrain.agent.metrics import REASONS, JobMetricsSet, Metrics
 
 from . import cluster as k
 from .informer import ClusterView
 from .runtime import GROUP, PLURAL, VERSION, JobRuntime, Settings
 from .telemetry import CountingApiClient, OperatorMetrics
 
-_state = {"metrics": None, "api": None, "view": None, "operator_metrics": None}
+_state = {"jobs": None, "api": None, "view": None, "operator_metrics": None}
 _lock = threading.RLock()
 USER_AGENT = "dynatrain-operator"
 MAX_JOBS = int(os.environ.get("DYNATRAIN_MAX_JOBS", "1024"))
@@ -70,20 +76,34 @@ def _view() -> ClusterView:
 
 
 def _operator_metrics() -> OperatorMetrics:
-    with _lock:
-        if _state["operator_metrics"] is None:
-            _state["operator_metrics"] = OperatorMetrics(_metrics().registry)
-        return _state["operator_metrics"]
+    _serve_metrics()
+    return _state["operator_metrics"]
 
 
-def _metrics() -> Metrics:
+def _jobs() -> JobMetricsSet:
+    _serve_metrics()
+    return _state["jobs"]
+
+
+def _serve_metrics() -> None:
+    """One registry, served on ``/metrics``: the jobs' series and the operator's own."""
     with _lock:
-        if _state["metrics"] is None:
-            m = Metrics(reasons=REASONS)
-            m.serve(port=int(os.environ.get("DYNATRAIN_METRICS_PORT", "9090")),
-                    addr=os.environ.get("DYNATRAIN_METRICS_ADDR", "0.0.0.0"))
-            _state["metrics"] = m
-        return _state["metrics"]
+        if _state["jobs"] is not None:
+            return
+        registry = CollectorRegistry()
+        jobs = JobMetricsSet()
+        registry.register(jobs)
+        _state["operator_metrics"] = OperatorMetrics(registry)
+        start_http_server(int(os.environ.get("DYNATRAIN_METRICS_PORT", "9090")),
+                          addr=os.environ.get("DYNATRAIN_METRICS_ADDR", "0.0.0.0"),
+                          registry=registry)
+        _state["jobs"] = jobs
+
+
+def forget_job(namespace: str, name: str, uid: str) -> None:
+    """Drop the series of job ``uid`` (not those of a re-created job of the same name)."""
+    if _jobs().remove(namespace, name, uid):
+        _operator_metrics().forget(namespace, name)
 
 
 @kopf.on.login()
@@ -96,14 +116,13 @@ def login(**kwargs):
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_) -> None:
-    settings.peering.lifetime = int(os.environ.get("DYNATRAIN_PEERING_LIFETIME_S", "60"))
     settings.persistence.finalizer = "dynatrain.io/finalizer"
     settings.posting.level = logging.WARNING        # our own Events say what happened
     # Each job's daemon holds one thread of kopf's executor for the job's whole life, and
     # the executor's default size is min(32, cores + 4): on a 2-core node only 6 jobs ran,
     # the others waited, silently, for one of those to end.
     settings.execution.max_workers = MAX_JOBS
-    _metrics()
+    _serve_metrics()
 
 
 @kopf.on.cleanup()
@@ -113,16 +132,26 @@ def stop_view(**_) -> None:
         view.stop()
 
 
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def drop_metrics(name, namespace, uid, **_) -> None:
+    """A deleted job's series leave the operator's ``/metrics`` (a job that finished earlier
+    has no daemon left to do it)."""
+    forget_job(namespace, name, uid)
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15, initial_delay=0)
-def run_job(body, name, namespace, stopped, logger, **_) -> None:
+def run_job(body, name, namespace, uid, stopped, logger, **_) -> None:
     view = _view()
     config = settings()
+    metrics = _jobs().add(Metrics(namespace=namespace, job=name, reasons=REASONS), uid)
     runtime = JobRuntime(dict(body), api=_api(), view=view,
                          rendezvous_host=os.environ.get("DYNATRAIN_RENDEZVOUS_HOST")
                          or os.environ.get("POD_IP") or "127.0.0.1",
-                         metrics=_metrics(), log=logger.info, settings=config)
+                         metrics=metrics, log=logger.info, settings=config)
     since = 0
-    reconcile_seconds = _operator_metrics().reconcile
+    # Bound once: after forget_job, a pass still running records into a series nobody sees,
+    # and does not bring it back.
+    reconcile_seconds = _operator_metrics().reconcile.labels(namespace, name)
     try:
         while not stopped:
             with reconcile_seconds.time():
@@ -144,3 +173,10 @@ def run_job(body, name, namespace, stopped, logger, **_) -> None:
                     break
     finally:
         runtime.close()
+        if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in \
+                stopped.reason:
+            # A worker takes SIGTERM as notice and trains on until it is switched out, which
+            # nobody will do now: stop the deleted job's workers at once (grace 0).
+            runtime.stop_workers()
+            # Also here: the deletion handler may have run before this daemon added them.
+            forget_job(namespace, name, uid)

@@ -12,6 +12,12 @@ again (mode ``hang``):
 - ``at:switched``: once a switch built this device's trainer of the new generation, before
   its first snapshot (a member that just joined dies holding state no one mirrors yet).
 
+``device:-1`` (:data:`CONTROLLER`) is the controller itself (the operator, or the local
+runner), which has two points of its own, for tests of a controller that dies mid-switch:
+
+- ``at:prepared``: every device of a switch has prepared it, before any Commit is sent;
+- ``at:committed``: every device holds the switch's Commit (it completes without us).
+
 ``skip:N`` lets the first N arrivals at the point pass (e.g. the job's first generation is a
 preparation too). With ``DYNATRAIN_FAULT_LOG=FILE`` the device appends one JSON line (device,
 point, wall time) before it fails, so a benchmark can time recovery from the fault itself.
@@ -25,6 +31,18 @@ import os
 import time
 
 _arrivals: dict[str, int] = {}
+CONTROLLER = -1
+"""The device id that names the controller in ``DYNATRAIN_FAULT``."""
+
+
+def armed(point: str, device: int) -> bool:
+    """Whether ``DYNATRAIN_FAULT`` names this point and device (so a caller may prepare it:
+    e.g. wait until the moment it describes has come)."""
+    spec = os.environ.get("DYNATRAIN_FAULT")
+    if not spec:
+        return False
+    fields = dict(part.split(":", 1) for part in spec.split(","))
+    return int(fields.get("device", -2)) == device and fields.get("at", "round") == point
 
 
 def inject(point: str, device: int, round_index: int | None = None) -> None:

@@ -25,12 +25,16 @@ def register(sub) -> None:
     p.add_argument("--rendezvous-host", default=None,
                    help="address the workers reach this operator at (default $POD_IP)")
     p.add_argument("--standalone", action="store_true",
-                   help="no peering: act even if other operators run (single replica)")
-    p.add_argument("--peering", default="dynatrain",
-                   help="peering name: among replicas with the same name, one acts")
-    p.add_argument("--priority", type=int, default=0, help="peering priority")
-    p.add_argument("--peering-lifetime", type=int, default=60,
-                   help="seconds a silent replica counts as alive (default 60)")
+                   help="no leader election: act even if other operators run (one replica)")
+    p.add_argument("--leader-lease", default="dynatrain-operator", metavar="NAME",
+                   help="the coordination.k8s.io Lease the replicas elect a leader on: "
+                   "exactly one acts, the others stand by (default dynatrain-operator)")
+    p.add_argument("--lease-namespace", default=None, metavar="NS",
+                   help="namespace of the Lease (default $POD_NAMESPACE, else the first "
+                   "--namespace, else default)")
+    p.add_argument("--lease-seconds", type=int, default=10, metavar="N",
+                   help="a leader that stops renewing is replaced after N seconds; one that "
+                   "stops cleanly at once (default 10, at least 3)")
     p.add_argument("--max-pods-per-job", type=int, default=256, metavar="N",
                    help="no job gets more worker pods than N, whatever its maxWorkers "
                    "(default 256)")
@@ -64,16 +68,41 @@ def run_operator(args) -> int:
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
     os.environ["DYNATRAIN_METRICS_PORT"] = str(args.metrics_port)
-    os.environ["DYNATRAIN_PEERING_LIFETIME_S"] = str(args.peering_lifetime)
+    if args.lease_seconds < 3:
+        raise SystemExit(f"dynatrain operator: --lease-seconds={args.lease_seconds} must be at "
+                         "least 3")
     if args.rendezvous_host:
         os.environ["DYNATRAIN_RENDEZVOUS_HOST"] = args.rendezvous_host
     from dynatrain.operator import handlers  # noqa: F401  (registers the handlers)
 
     kopf.configure(verbose=False)
-    # kopf makes peering mandatory whenever a peering name is given, and with --standalone
-    # there is no peering to find: every watch would stay paused and no job be handled.
-    peering = {} if args.standalone else {"peering_name": args.peering}
-    kopf.run(standalone=args.standalone, priority=args.priority, **peering,
-             clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness)
+    election = None
+    if not args.standalone:
+        election = _elect(args)
+    try:
+        # kopf's own peering stays off: the Lease decides who acts (dynatrain.operator.leader).
+        kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
+                 liveness_endpoint=args.liveness)
+    finally:
+        if election is not None:
+            election.release()
     return 0
+
+
+def _elect(args):
+    """Wait until this replica leads; from then on, losing the Lease ends the process at
+    once (another replica may act after the lease; two must never act)."""
+    from kubernetes import config
+
+    from dynatrain.operator.leader import Election
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    namespace = (args.lease_namespace or os.environ.get("POD_NAMESPACE")
+                 or (args.namespace[0] if args.namespace else "default"))
+    election = Election(args.leader_lease, namespace, lease_seconds=args.lease_seconds)
+    election.acquire()
+    election.keep(on_lost=lambda: os._exit(1))
+    return election

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from dynatrain.agent.client import AgentCallError, AgentClient
+from dynatrain.vps import faults
 from dynatrain.vps.layout import Layout
 
 
@@ -179,6 +180,7 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
         if waiting:
             time.sleep(0.02)
     record.prepare_seconds = time.monotonic() - t0
+    faults.inject("prepared", faults.CONTROLLER)
 
     replies = _commit_watching(clients, members, generation, timeouts.commit_s, watch,
                                timeouts.status_s)
@@ -213,6 +215,9 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
     futures = [pool.submit(lambda d=d: clients[d].commit(generation, 0, timeout_s=timeout_s))
                for d in members]
     misses: dict[int, int] = {}
+    if faults.armed("committed", faults.CONTROLLER):
+        _when_committed(clients, members, generation)
+        faults.inject("committed", faults.CONTROLLER)
     try:
         while True:
             done, pending = wait(futures, timeout=0.1)
@@ -242,6 +247,20 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
         return out
     finally:
         pool.shutdown(wait=False)   # a commit still waiting ends when its agent gives up
+
+
+def _when_committed(clients, members: list[int], generation: int, timeout_s: float = 30.0):
+    """Wait until every device holds the Commit of ``generation`` (or has switched already):
+    the fault point ``at:committed`` fires then, not while a Commit may still be in flight."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = _fan_out(lambda d: clients[d].status(since_step=1 << 62, timeout_s=2.0),
+                          members)
+        if all(not isinstance(st, Exception) and (st.generation >= generation or (
+                st.prepared_generation == generation and st.prepared_committed))
+               for st in states):
+            return
+        time.sleep(0.02)
 
 
 def _abort(clients, members, generation: int, reason: str, timeout_s: float = 5.0) -> None:

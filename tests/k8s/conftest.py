@@ -59,7 +59,9 @@ def devcluster(tmp_path_factory):
         kubeconfig=None,
         # Loopback pod IPs: the operator tests run each worker pod as a local process that
         # binds its pod IP, and the operator reaches it there, as on a cluster network.
-        pod_cidr="127.20.0.0/16",
+        # Two test sessions on one machine need different ranges (DYNATRAIN_TEST_POD_CIDR),
+        # or their workers bind each other's addresses.
+        pod_cidr=os.environ.get("DYNATRAIN_TEST_POD_CIDR", "127.20.0.0/16"),
     )
     with DevCluster(config) as cluster:
         yield cluster
@@ -113,24 +115,19 @@ def timeout():
 
 @pytest.fixture
 def operator(devcluster, kubectl, namespace, tmp_path):
-    """The CRDs applied, `dynatrain operator` running for ``namespace`` (peering, as in a
-    cluster) and a pod runner that runs the job's worker pods as local processes."""
-    import yaml
-
+    """The CRD applied, `dynatrain operator` running for ``namespace`` (leader election, as in
+    a cluster) and a pod runner that runs the job's worker pods as local processes."""
     from dynatrain.devcluster.pods import PodRunner
     from operator_process import ROOT, Operator
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
-            str(ROOT / "crds" / "dynatrainjob.yaml"), "-f", str(ROOT / "crds" / "kopf-peering.yaml"))
+            str(ROOT / "crds" / "dynatrainjob.yaml"))
     kubectl("wait", "--for=condition=Established", "--timeout=30s",
-            "crd/dynatrainjobs.dynatrain.io", "crd/kopfpeerings.kopf.dev")
-    peering = tmp_path / "peering.yaml"
-    peering.write_text(yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
-                                       "metadata": {"name": "dynatrain-test"}}))
-    kubectl("apply", "-n", namespace, "-f", str(peering))
+            "crd/dynatrainjobs.dynatrain.io")
     op = Operator(devcluster, namespace, tmp_path)
+    # The simulated GPU nodes have no CUDA: the GPU jobs' workers train on the CPU, by name.
     pods = PodRunner(devcluster.core(), tmp_path / "pods", namespace=namespace,
-                     selector="dynatrain.io/job")
+                     selector="dynatrain.io/job", cpu_for_gpu_pods=True)
     with pods:
         op.start()
         try:

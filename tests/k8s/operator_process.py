@@ -17,6 +17,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from chart_rbac import RELEASE_NAMESPACE
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,12 +38,20 @@ def wait(what: str, fn, timeout: float = 90.0, interval: float = 0.3):
 
 
 class Operator:
-    """`dynatrain operator` as a separate process, restartable."""
+    """`dynatrain operator` as a separate process, restartable.
+
+    It runs as the chart's ServiceAccount (:func:`chart_rbac.chart_identity`: the chart's
+    RBAC applied to the cluster, a token of the TokenRequest API), never as the admin, so a
+    verb missing from the chart fails the tests; ``kubeconfig`` names another identity."""
 
     def __init__(self, devcluster, namespace: str, workdir: Path, *,
                  rendezvous_host: str = "127.0.0.1", standalone: bool = False,
-                 tick_s: float = 0.3):
-        self.kubeconfig, self.namespace, self.workdir = devcluster.kubeconfig, namespace, workdir
+                 tick_s: float = 0.3, kubeconfig: Path | None = None):
+        from chart_rbac import chart_identity
+
+        chart = chart_identity(devcluster)       # also makes the release namespace (the Lease's)
+        self.kubeconfig = kubeconfig or chart.kubeconfig
+        self.namespace, self.workdir = namespace, workdir
         # Where the job's rendezvous store listens: an address its worker pods reach.
         self.rendezvous_host = rendezvous_host
         self.standalone = standalone
@@ -49,6 +59,8 @@ class Operator:
         self.metrics_port = free_port()
         self.proc = None
         self.starts = 0
+        self.env: dict[str, str] = {}
+        """Extra environment of the next start (e.g. a fault point)."""
 
     def start(self) -> None:
         self.starts += 1
@@ -58,10 +70,13 @@ class Operator:
              str(self.kubeconfig), "--namespace", self.namespace, "--metrics-port",
              str(self.metrics_port), "--rendezvous-host", self.rendezvous_host,
              *(["--standalone"] if self.standalone else
-               ["--peering", "dynatrain-test", "--peering-lifetime", "4"])],
+               # The chart's leader election, on a Lease of this test's own, in the release
+               # namespace (where the chart's Role grants Leases), with a short lease.
+               ["--leader-lease", f"operator-{self.namespace}", "--lease-seconds", "4",
+                "--lease-namespace", RELEASE_NAMESPACE])],
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": str(self.tick_s),
-                 "DYNATRAIN_METRICS_ADDR": "127.0.0.1"})
+                 "DYNATRAIN_METRICS_ADDR": "127.0.0.1", **self.env})
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -29,7 +29,8 @@ CHART = chart.CHART_DIR
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090",
-                 "--peering", "dynatrain", "--max-pods-per-job", "256", "--worker-cpu", "1",
+                 "--leader-lease", "dynatrain-operator", "--lease-seconds", "10",
+                 "--max-pods-per-job", "256", "--worker-cpu", "1",
                  "--worker-memory", "4Gi"]
 
 # (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
@@ -47,9 +48,9 @@ EXPECTED_RULES = {
     ("", "configmaps"): {"get", "create", "patch", "delete"},   # the job manifest, for workers
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
-    ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
 }
+# The leader Lease, in the release namespace only (a Role, not the ClusterRole).
+EXPECTED_LEADER_RULES = {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
 
 
 def _unavailable(reason: str):
@@ -127,8 +128,17 @@ def test_helm_lint(helm):
 def test_template_renders_the_operator(helm):
     kinds = by_kind(render(helm))
     assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                          "Service", "ConfigMap", "ClusterKopfPeering"}
+                          "Service", "ConfigMap", "Role", "RoleBinding"}
     (deploy,) = kinds["Deployment"]
+    # Two replicas, one acting: leader election on a Lease, which a Role grants in the
+    # release's namespace and nowhere else.
+    assert deploy["spec"]["replicas"] == 2
+    (role,) = kinds["Role"]
+    assert {(g, r): set(rule["verbs"]) for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"]} == EXPECTED_LEADER_RULES
+    (binding,) = kinds["RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == kinds["ServiceAccount"][0]["metadata"]["name"]
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["dynatrain"]
@@ -176,10 +186,15 @@ def test_monitors_only_when_the_api_exists(helm):
     assert endpoint["port"] == "metrics"
     assert {"targetLabel": "role", "replacement": "controller", "action": "replace"} in endpoint[
         "relabelings"]
+    # The series carry their job's namespace and job labels: they must win over the target's.
+    assert endpoint["honorLabels"] is True
     (pm,) = kinds["PodMonitor"]
-    relabel = pm["spec"]["podMetricsEndpoints"][0]["relabelings"]
-    assert {"sourceLabels": ["__meta_kubernetes_pod_label_dynatrain_io_job"],
-            "targetLabel": "dynatrain_job", "action": "replace"} in relabel
+    (pod_endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert pod_endpoint["honorLabels"] is True
+    assert {"targetLabel": "role", "replacement": "worker", "action": "replace"} in pod_endpoint[
+        "relabelings"]
+    assert pm["spec"]["selector"]["matchExpressions"] == [
+        {"key": "dynatrain.io/job", "operator": "Exists"}]
     # Each can be switched off even where the API exists.
     kinds = by_kind(render(helm, "--api-versions", SERVICE_MONITOR_API,
                            "--set", "serviceMonitor.enabled=false"))
@@ -267,7 +282,8 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
                ("list", "nodes"), ("list", "pods"),
                ("create", "events"), ("list", "namespaces"),
                ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
-               ("patch", "clusterkopfpeerings.kopf.dev"), ("patch", "kopfpeerings.kopf.dev")]
+               ("get", "leases.coordination.k8s.io"), ("create", "leases.coordination.k8s.io"),
+               ("update", "leases.coordination.k8s.io")]
     denied = [("delete", "dynatrainjobs.dynatrain.io"), ("create", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io", "status"),
@@ -277,6 +293,6 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
               ("update", "services"), ("delete", "namespaces"), ("list", "configmaps"),
               ("create", "customresourcedefinitions.apiextensions.k8s.io"),
               ("create", "clusterroles.rbac.authorization.k8s.io"),
-              ("create", "kopfpeerings.kopf.dev")]
+              ("delete", "leases.coordination.k8s.io")]
     assert [a for a in allowed if not can(*a)] == []
     assert [d for d in denied if can(*d)] == []
