@@ -46,7 +46,7 @@ from .build import ensure_built
 from .gobuild import Built
 from .certs import ClientIdentity, Pki, write_pki
 from .errors import DevClusterError
-from .kubeconfig import build_kubeconfig, write_kubeconfig
+from .kubeconfig import build_kubeconfig, build_token_kubeconfig, write_kubeconfig
 from .kubelet import RealNode, RealNodeConfig
 from .nodes import KWOK_ANNOTATION, NodePool, add_nodes, node_is_ready
 from .pods import storage_class_manifest
@@ -187,6 +187,7 @@ class DevCluster:
         self.kubeconfig: Path | None = None
         """The admin kubeconfig, once the cluster and its nodes are ready."""
         self._admin_kubeconfig: Path | None = None
+        self._ca: Path | None = None
         self.nodes: list[str] = []
         self.real_nodes: list[RealNode] = []
         """The kubelet-run nodes, started."""
@@ -226,6 +227,7 @@ class DevCluster:
         pki = write_pki(work / "pki", clients=(_ADMIN, _SCHEDULER, _CONTROLLER_MANAGER, _KWOK,
                                                _APISERVER_KUBELET_CLIENT, *nodes),
                         service_ip=_first_ip(cfg.service_cidr))
+        self._ca = pki.ca.cert
 
         etcd_url = self._start_etcd(binaries, work, logs)
         self._start_apiserver(binaries, work, logs, pki, etcd_url)
@@ -288,6 +290,26 @@ class DevCluster:
 
     def core(self) -> client.CoreV1Api:
         return client.CoreV1Api(self.api_client())
+
+    def service_account_kubeconfig(
+            self, namespace: str, name: str, path: Path | None = None, *,
+            expiration: datetime.timedelta = datetime.timedelta(hours=24)) -> Path:
+        """A kubeconfig that acts as the ServiceAccount ``namespace/name``, as a pod of it would.
+
+        Its bearer token comes from the TokenRequest API (the apiserver signs it with the
+        service-account key; no Secret is made), valid for ``expiration`` and bound to nothing
+        else, so it outlives any pod; the account may do what RBAC grants it and nothing more.
+        Written to ``path`` (default ``<workdir>/sa-<namespace>-<name>.kubeconfig``)."""
+        if self._ca is None or self.server is None:
+            raise DevClusterError("the dev cluster is not started: no apiserver yet")
+        review = self.core().create_namespaced_service_account_token(name, namespace, {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"expirationSeconds": int(expiration.total_seconds())}})
+        config = build_token_kubeconfig(
+            server=self.server, ca=self._ca, token=review.status.token,
+            user=f"system:serviceaccount:{namespace}:{name}", namespace=namespace)
+        return write_kubeconfig(path or self.workdir / f"sa-{namespace}-{name}.kubeconfig",
+                                config)
 
     # -- nodes -------------------------------------------------------------
 
