@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
+from .processes import _die_with_parent
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -311,9 +312,12 @@ class PodRunner:
                 f.write(f"--- restart {c.restarts} ---\n")
                 f.flush()
             try:
+                # Killed with the runner's thread (a test session killed outright must not
+                # leave workers training on, as a dead kubelet's machine leaves none).
                 c.proc = subprocess.Popen(c.argv, stdout=f, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env={**os.environ, **c.env},
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=_die_with_parent)
             except OSError as e:                      # no such program: as a kubelet, fail
                 f.write(f"cannot start {c.argv[:1]}: {e}\n")
                 c.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(127)"])
