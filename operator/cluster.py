@@ -312,7 +312,12 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
             "--token-file", TOKEN_FILE,
             # NCCL on the pod's GPU when the job asks for nvidia.com/gpu, gloo when not; a
             # GPU pod without CUDA fails at start (spec.args may override, e.g. gloo).
-            "--backend", "auto", *spec.get("args", [])]
+            "--backend", "auto"]
+    if spec.get("checkpoint"):
+        # Written to the claim's mount point (named here, not only in the job file, so that a
+        # runner that maps mount paths, like the dev cluster's, maps it too).
+        args += ["--checkpoint-dir", spec["checkpoint"].get("path", "/checkpoints")]
+    args += spec.get("args", [])
     mounts = [{"name": "job", "mountPath": "/etc/dynatrain", "readOnly": True},
               {"name": "token", "mountPath": "/var/run/secrets/dynatrain", "readOnly": True}]
     volumes = [{"name": "job", "configMap": {"name": names(n)["configmap"]}},

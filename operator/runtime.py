@@ -295,6 +295,9 @@ class JobRuntime:
             profile=profile_for(job), metrics=self.metrics,
             policy=self.policy or Policy(), timeouts=self.timeouts,
             devices_per_node=max(1, 8 // max(1, job.gpus_per_worker)), log=self.log)
+        # spec.recovery.resumeFrom: the first generation starts from that checkpoint (on the
+        # claim every worker mounts), under whatever layout fits the workers at hand.
+        self.controller.resume_from = job.recovery.resume_from
         self.controller.before_switch = self._switching
         self.controller.on_answer = self._answered
         self.controller.intake = self._intake
@@ -423,6 +426,11 @@ class JobRuntime:
                 continue
             if w.doomed and d in c.clients and d not in self.noticed:
                 self.noticed.add(d)
+                if self.job.preemption_policy == "Ignore":
+                    self._event("Warning", "PreemptionIgnored", f"worker {d} ({w.name}) may be "
+                                f"lost in {w.deadline_s:.0f} s: {w.why}; spec.preemptionPolicy "
+                                "is Ignore: no switch (if it goes, it is recovered)")
+                    continue
                 c.notice(d, w.deadline_s)
                 self._event("Warning", "Preemption", f"worker {d} ({w.name}) will be lost in "
                             f"{w.deadline_s:.0f} s: {w.why}")

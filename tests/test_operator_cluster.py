@@ -153,3 +153,19 @@ def test_worker_pod_manifest():
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} \
         in c["env"]
     assert p["spec"]["securityContext"]["runAsNonRoot"]
+
+
+def test_a_checkpointed_job_mounts_its_claim_and_writes_there():
+    body = {"apiVersion": "dynatrain.io/v1alpha1", "kind": "DynaTrainJob",
+            "metadata": {"name": "job", "namespace": "ns", "uid": "u-1"},
+            "spec": {"image": "img:1", "resources": {"gpus": 1},
+                     "checkpoint": {"claimName": "ckpt", "path": "/data/ckpt"},
+                     "args": ["--threads", "4"]}}
+    p = k.worker_pod(body, 0, secret="tok", agent_port=50051)
+    (c,) = p["spec"]["containers"]
+    assert {"name": "checkpoints", "mountPath": "/data/ckpt"} in c["volumeMounts"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} \
+        in p["spec"]["volumes"]
+    args = c["args"]
+    assert args[args.index("--checkpoint-dir") + 1] == "/data/ckpt"
+    assert args[-2:] == ["--threads", "4"]               # spec.args still come last

@@ -432,8 +432,9 @@ class JobController:
                 continue
             self._last_answer[d] = time.monotonic()
             self._misses.pop(d, None)
-            if st.leaving and d not in self.doomed:
-                # Told to leave (SIGTERM with a grace period): a notice from the worker itself.
+            if st.leaving and d not in self.doomed and self.job.preemption_policy == "Switch":
+                # Told to leave (SIGTERM with a grace period): a notice from the worker itself
+                # (spec.preemptionPolicy Ignore: it is lost at its deadline, and recovered).
                 self.log(f"device {d} is leaving ({st.leaving_in_seconds:.0f} s of its grace "
                          "period left): switching it out")
                 self.notice(d, st.leaving_in_seconds)

@@ -23,7 +23,7 @@ from dynatrain.vps.presets import load_model
 
 API_VERSION = "dynatrain.io/v1alpha1"
 KIND = "DynaTrainJob"
-PREEMPTION_POLICIES = ("Switch", "Restart", "Ignore")
+PREEMPTION_POLICIES = ("Switch", "Ignore")
 DEFAULT_GLOBAL_BATCH_SIZE = 8
 """``spec.globalBatchSize`` when unset (the CRD's schema default too)."""
 WORKER_METRICS_PORT = 9400

@@ -144,6 +144,23 @@ def test_an_eviction_whose_grace_runs_out_before_the_switch_is_a_failure(tmp_pat
                    for s in out["switches"])
 
 
+def test_with_preemption_policy_ignore_an_eviction_is_not_acted_on(tmp_path, reference):
+    # spec.preemptionPolicy: Ignore (e.g. cordons for maintenance that will not take the
+    # node): the notice changes nothing; a worker that does go at its deadline is a failure,
+    # recovered from memory like any other.
+    job = overlap.job_manifest(max_workers=5, watchdog_s=4.0)
+    job["spec"]["preemptionPolicy"] = "Ignore"
+    out = overlap.run(tmp_path, "ignore", job, {"initialWorkers": 4, "events": [
+        {"atStep": 8, "evict": {"workers": [3], "graceSeconds": 2}}]})
+    print(out["stdout"][-6000:])
+    assert out["returncode"] == 0
+    assert "device 3 is leaving" not in out["stdout"]
+    assert "worker 3: notice expired, killed" in out["stdout"]
+    assert [r["reason"] for r in out["recoveries"]] == ["failure"], out["recoveries"]
+    assert out["samples_exactly_once"]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(out["losses"], reference["losses"]))
+
+
 def _seeds() -> list[int]:
     extra = int(os.environ.get("DYNATRAIN_OVERLAP_SEEDS", "0") or 0)
     return list(CI_SEEDS) + list(range(100, 100 + extra))

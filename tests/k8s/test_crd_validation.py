@@ -171,8 +171,8 @@ INVALID = [
          "spec.agent.authSecret", False),
     Case("policy-unknown", setting("spec.preemptionPolicy", "Evict"), "spec.preemptionPolicy",
          True),
-    Case("restart-without-checkpoint", lambda d: (d["spec"].pop("checkpoint"), d["spec"].update(
-        preemptionPolicy="Restart")), "spec.checkpoint", False),
+    Case("policy-restart", setting("spec.preemptionPolicy", "Restart"),
+         "spec.preemptionPolicy", True),     # never carried out: no longer accepted
     Case("checkpoint-relative-path", setting("spec.checkpoint.path", "checkpoints"),
          "spec.checkpoint.path", True),
     # The claim must not be mounted over / or a system directory, nor over the operator's own
@@ -222,7 +222,7 @@ VALID = {
     "inline-model": setting("spec.model", {"spec": {
         "name": "small", "arch": "gpt", "vocab_size": 1024, "hidden_size": 128,
         "num_layers": 2, "num_heads": 4, "ffn_hidden_size": 512, "max_seq_len": 1024}}),
-    "restart-with-checkpoint": setting("spec.preemptionPolicy", "Restart"),
+    "policy-ignore": setting("spec.preemptionPolicy", "Ignore"),
     "integer-quantities": lambda d: d["spec"]["resources"].update(cpu=8, memory=68719476736),
     # EP ranks are carved out of DP: dp=4,tp=2,ep=4 is 8 workers, not 32.
     "fixed-moe-ep-within-max": lambda d: (
@@ -331,7 +331,7 @@ def test_valid_manifest_is_accepted(custom, namespace, key):
     created = _create(custom, namespace, doc)
     assert created["spec"]["image"] == doc["spec"]["image"]
     # Defaults filled in by the schema.
-    assert created["spec"].get("preemptionPolicy", "Switch") in ("Switch", "Restart")
+    assert created["spec"].get("preemptionPolicy", "Switch") in ("Switch", "Ignore")
     stored = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
                                                  doc["metadata"]["name"])
     assert stored["metadata"]["uid"] == created["metadata"]["uid"]
@@ -437,7 +437,7 @@ MUTABLE = {
     "parallelism-to-fixed": {"parallelism": {"mode": "fixed", "layout": "dp=2,tp=2,pp=2",
                                              "limits": None}},
     "parallelism-remove": {"parallelism": None},
-    "preemption-policy": {"preemptionPolicy": "Restart"},
+    "preemption-policy": {"preemptionPolicy": "Ignore"},
     "preemption-policy-remove": {"preemptionPolicy": None},
 }
 

@@ -1,0 +1,124 @@
+"""Checkpoints on a volume: the last resort when no in-memory copy survives, and a new job's start.
+
+The job's worker pods mount ``spec.checkpoint.claimName`` at ``spec.checkpoint.path`` and
+write a PyTorch Distributed Checkpoint there every ``intervalSteps``. Killing a worker and its
+buddy (the worker that mirrors its state) together leaves no copy of that state in memory:
+the operator restarts the job from the newest checkpoint on the volume, under the layout that
+fits the workers left, and trains on. A second job with ``spec.recovery.resumeFrom`` starts
+from that checkpoint.
+
+The claim is provisioned by the dev cluster's pod runner (a directory every pod mounting it
+shares, as a ReadWriteMany volume would), bound by kube-controller-manager's binder.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import yaml
+from kubernetes import client
+
+from operator_process import get as _get, job as _job, wait as _wait
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+INTERVAL = 6
+"""Steps between checkpoints: the kill comes a few steps after one, before the next."""
+
+
+def _claim(core, namespace: str, name: str) -> None:
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteMany"],
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+
+
+def _checkpointed(name: str, claim: str, **over) -> dict:
+    doc = _job(name, gpus=1, max_workers=4)
+    # Four pipeline stages: each worker's state is unique, mirrored only by its buddy.
+    doc["spec"]["parallelism"] = {"mode": "fixed", "layout": "dp=1,tp=1,pp=4"}
+    doc["spec"]["checkpoint"] = {"claimName": claim, "path": "/checkpoints",
+                                 "intervalSteps": INTERVAL}
+    doc["spec"].update(over)
+    return doc
+
+
+def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts_there(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    op, pods = operator
+    core = devcluster.core()
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    _claim(core, namespace, "ckpt")
+    name = "ckpt"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(_checkpointed(name, "ckpt")))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    st = _wait("the job to run on 4 pipeline stages", lambda: (
+        lambda s: s if s.get("phase") == "Running" and s.get("layout") == "dp=1,tp=1,pp=4"
+        else None)(_get(custom, namespace, name).get("status", {})), timeout=180)
+
+    from dynatrain.agent.client import AgentClient
+
+    token = base64.b64decode(core.read_namespaced_secret(
+        f"{name}-agent-token", namespace).data["token"]).decode()
+    pods_by_device = {int(p.metadata.labels["dynatrain.io/device"]): p
+                      for p in core.list_namespaced_pod(
+                          namespace, label_selector=f"dynatrain.io/job={name}").items}
+
+    def status(device):
+        with AgentClient(f"{pods_by_device[device].status.pod_ip}:50051", token=token) as c:
+            return c.status()
+
+    # A checkpoint on the volume first, a couple of steps more (trained again after the
+    # restore), then the victim and its buddy.
+    victim = min(pods_by_device)
+    buddy = next(d for d in pods_by_device if status(d).mirror_of == victim)
+    first = _wait("a checkpoint on the volume", lambda: (lambda s: s if s.checkpoint else None)(
+        status(victim)), timeout=120)
+    claim_dir = pods.claim_dir(namespace, "ckpt")
+    assert first.checkpoint.startswith(str(claim_dir)), (first.checkpoint, claim_dir)
+    _wait("two steps past it", lambda: status(victim).step >= first.checkpoint_step + 2,
+          timeout=60, interval=0.05)
+    for d in (victim, buddy):
+        pods.process(namespace, pods_by_device[d].metadata.name).kill()
+
+    def recovered():
+        s = _get(custom, namespace, name).get("status", {})
+        last = s.get("lastSwitch", {})
+        return s if last.get("reason") == "failure" and last.get("result") == "success" \
+            else None
+
+    st = _wait("a recovery from the checkpoint", recovered, timeout=150)
+    assert "from checkpoint" in op.logs(), op.logs()[-3000:]
+    _wait("training to go on", lambda: _get(custom, namespace, name)["status"].get("step", 0)
+          > st["lastSwitch"]["step"] + 3, timeout=90)
+    data = _wait("the data audit past the recovery", lambda: (lambda d: d if d.get(
+        "auditedStep", 0) > st["lastSwitch"]["step"] + 2 else None)(
+        _get(custom, namespace, name)["status"].get("data", {})), timeout=90)
+    # Steps after the checkpoint were trained again (the honest cost of the last resort),
+    # and every step's batch was still read exactly once in the end.
+    assert data["retrainedSteps"] > 0 and data["exactlyOnce"], data
+    survivor = next(d for d in pods_by_device if d not in (victim, buddy))
+    newest = _wait("a newer checkpoint", lambda: (lambda s: s if s.checkpoint_step
+                                                  > first.checkpoint_step else None)(
+        status(survivor)), timeout=120)
+    kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false")
+
+    # A new job from that checkpoint: its first generation starts at the checkpoint's step.
+    resumed = "resumed"
+    doc = _checkpointed(resumed, "ckpt")
+    doc["spec"]["recovery"] = {"resumeFrom": newest.checkpoint}
+    doc["spec"]["parallelism"] = {"mode": "auto"}
+    manifest.write_text(yaml.safe_dump(doc))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    st = _wait("the resumed job to train past the checkpoint", lambda: (
+        lambda s: s if s.get("phase") == "Running" and s.get("step", 0)
+        > newest.checkpoint_step else None)(
+        _get(custom, namespace, resumed).get("status", {})), timeout=180)
+    assert f"started from checkpoint {newest.checkpoint} at step {newest.checkpoint_step}" \
+        in op.logs()
+    data = _wait("the resumed job's audit", lambda: (lambda d: d if d.get("auditedStep", 0)
+                                                      > newest.checkpoint_step + 2 else None)(
+        _get(custom, namespace, resumed)["status"].get("data", {})), timeout=90)
+    assert data["auditedFrom"] == newest.checkpoint_step + 1 and data["exactlyOnce"], data
+    kubectl("delete", "dynatrainjob", resumed, "-n", namespace, "--wait=false")
