@@ -111,6 +111,17 @@ class ModelSpec:
     moe_ffn_hidden_size: int = 0
     tie_embeddings: bool = False
     qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections of an ``llama``-family model (Qwen2); ``gpt`` models
+    always have every bias."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (``llama`` family)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm."""
+    moe_norm_topk: bool = True
+    """Renormalise the top-k routing probabilities to sum to one (Mixtral: yes; Qwen3-MoE:
+    its ``norm_topk_prob``)."""
     dtype: str = "bfloat16"
     """Dtype of the working parameters."""
     description: str = field(default="", compare=False)
@@ -146,8 +157,13 @@ class ModelSpec:
             if self.moe_ffn_hidden_size < 1:
                 problems.append(f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be "
                                 "positive for an MoE model")
-        if self.arch == "gpt" and (self.num_experts or self.qk_norm):
-            problems.append("arch='gpt' supports neither experts nor qk_norm; use arch='llama'")
+        if self.arch == "gpt" and (self.num_experts or self.qk_norm or self.qkv_bias):
+            problems.append("arch='gpt' supports neither experts, qk_norm nor qkv_bias (it has "
+                            "every bias already); use arch='llama'")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
+        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            problems.append(f"norm_eps={self.norm_eps!r} must be a number in (0, 1)")
         if problems:
             raise ModelSpecError(f"model {self.name!r}: " + "; ".join(problems))
 
@@ -172,6 +188,7 @@ def model_tensors(m: ModelSpec) -> list[TensorSpec]:
     """The model's tensors, with Megatron-style sharding metadata."""
     h, hd, nh, nkv = m.hidden_size, m.head_dim, m.num_heads, m.num_kv_heads
     bias = m.arch == "gpt"
+    qkv_bias = bias or m.qkv_bias
     out: list[TensorSpec] = []
 
     def add(name, shape, layer, **kw):
@@ -195,7 +212,7 @@ def model_tensors(m: ModelSpec) -> list[TensorSpec]:
         add(f"{p}.attn.q.weight", (nh * hd, h), i, tp_dim=0, tp_units=nh)
         add(f"{p}.attn.k.weight", (nkv * hd, h), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
         add(f"{p}.attn.v.weight", (nkv * hd, h), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
-        if bias:
+        if qkv_bias:
             add(f"{p}.attn.q.bias", (nh * hd,), i, tp_dim=0, tp_units=nh)
             add(f"{p}.attn.k.bias", (nkv * hd,), i, tp_dim=0, tp_units=nkv, tp_replicable=True)
             add(f"{p}.attn.v.bias", (nkv * hd,), i, tp_dim=0, tp_units=nkv, tp_replicable=True)

@@ -53,9 +53,14 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in _PRESETS}
 
 
 def load_model(name_or_path: str) -> ModelSpec:
-    """A preset by name, or a spec read from a ``.yaml``/``.yml``/``.json`` file."""
+    """A preset by name, a spec read from a ``.yaml``/``.yml``/``.json`` file, or ``hf:DIR``
+    (a Hugging Face checkpoint's ``config.json``, :mod:`.hf`)."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    if name_or_path.startswith("hf:"):
+        from .hf import model_from_hf
+
+        return model_from_hf(name_or_path[3:])
     path = Path(name_or_path)
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         if not path.is_file():
@@ -72,4 +77,4 @@ def load_model(name_or_path: str) -> ModelSpec:
             raise ModelSpecError(f"model file {name_or_path!r} could not be parsed: {e}") from None
         return model_from_dict(data, source=name_or_path)
     raise ModelSpecError(f"unknown model {name_or_path!r}; valid presets: "
-                         f"{', '.join(PRESETS)} (or a .yaml/.json spec file)")
+                         f"{', '.join(PRESETS)} (or a .yaml/.json spec file, or hf:DIR)")

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dynatrain.controller.job import JobError
 from dynatrain.controller.scenario import ScenarioError
 from dynatrain.trainer.config import ConfigError
+from dynatrain.trainer.schedule import ScheduleError
 from dynatrain.vps.layout import LayoutError
 from dynatrain.vps.model import ModelSpecError
 from dynatrain.vps.planner import PlanError
 
-USER_ERRORS = (LayoutError, ModelSpecError, PlanError, ConfigError, JobError, ScenarioError)
+USER_ERRORS = (LayoutError, ModelSpecError, PlanError, ConfigError, JobError, ScenarioError,
+               ScheduleError)
 
 
 class UsageError(ValueError):

@@ -9,8 +9,23 @@ from __future__ import annotations
 import json
 
 from dynatrain.cli.errors import UsageError
-from dynatrain.trainer.config import make_config
+from dynatrain.trainer.config import PRECISIONS, TOKEN_DTYPES, make_config
+from dynatrain.trainer.schedule import DECAYS, LRSchedule
 from dynatrain.vps.presets import PRESETS
+
+
+def add_training_options(p) -> None:
+    """The optimizer, schedule, precision and data options that `train` and `eval` share."""
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                   help="working-weight dtype: fp32, or bf16 with fp32 master weights "
+                   "(default: the model's own dtype)")
+    p.add_argument("--data", default="synthetic",
+                   help="'synthetic' (seeded stream), a flat token file (--data-dtype), or "
+                   "a .jsonl/.txt text file tokenised once with --tokenizer")
+    p.add_argument("--data-dtype", choices=list(TOKEN_DTYPES), default="uint16",
+                   help="dtype of a flat token file (uint32 for vocabularies over 65,536)")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="Hugging Face tokenizer directory for text --data")
 
 
 def register(sub) -> None:
@@ -20,7 +35,9 @@ def register(sub) -> None:
         "NCCL when there is a GPU per rank) and print per-step loss and tokens/s.",
         epilog="example: dynatrain train --model gpt-tiny --layout dp=2,tp=2 --steps 10")
     p.add_argument("--model", required=True, metavar="M",
-                   help=f"preset ({', '.join(PRESETS)}) or a .yaml/.json model spec file")
+                   help=f"preset ({', '.join(PRESETS)}), a .yaml/.json model spec file, or "
+                   "hf:DIR (a Hugging Face Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE checkpoint, "
+                   "whose weights start the run)")
     p.add_argument("--layout", required=True, metavar="L",
                    help="e.g. dp=2,tp=2,pp=1,ep=1,zero=1 (dp*tp*pp processes)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
@@ -31,9 +48,21 @@ def register(sub) -> None:
                    help="sequences per micro-batch on one DP rank (default 1)")
     p.add_argument("--seq-len", type=int, default=0,
                    help="tokens per sequence (default min(model max, 128))")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--data", default="synthetic",
-                   help="'synthetic' (seeded stream) or a flat uint16 token file")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="AdamW learning rate (the peak, with a schedule)")
+    p.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="linear warmup over the first N steps (default 0)")
+    p.add_argument("--lr-decay", choices=list(DECAYS), default="constant",
+                   help="after warmup: constant, or cosine/linear decay to --min-lr")
+    p.add_argument("--decay-steps", type=int, default=0, metavar="N",
+                   help="the step where decay reaches --min-lr (default: --steps)")
+    p.add_argument("--min-lr", type=float, default=0.0, help="the decay's floor (default 0)")
+    p.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
+                   help="clip gradients to this global L2 norm (default 0: off)")
+    add_training_options(p)
+    p.add_argument("--save-hf", default="", metavar="OUT",
+                   help="after training, write a Hugging Face checkpoint (config.json + "
+                   "safetensors) to OUT")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (losses, tokens_per_second, ...)")
@@ -43,10 +72,14 @@ def register(sub) -> None:
 def run_train(args) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps={args.steps} must be >= 1")
-    config = make_config(args.model, args.layout, seed=args.seed,
+    schedule = LRSchedule(warmup_steps=args.warmup_steps, decay=args.lr_decay,
+                          decay_steps=args.decay_steps, min_lr=args.min_lr)
+    config = make_config(args.model, args.layout, seed=args.seed, precision=args.precision,
                          global_batch_size=args.global_batch_size,
                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
-                         lr=args.lr, data=args.data)
+                         lr=args.lr, data=args.data, data_dtype=args.data_dtype,
+                         tokenizer=args.tokenizer, lr_schedule=schedule,
+                         total_steps=args.steps, grad_clip=args.grad_clip)
     from dynatrain.trainer.launch import run_local  # torch is imported only from here on
 
     if not args.json:

@@ -11,12 +11,14 @@ and kept, so a manifest written for the cluster needs no edits to run locally.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dynatrain.trainer.config import PRECISIONS, TEXT_SUFFIXES, TOKEN_DTYPES
+from dynatrain.trainer.schedule import DECAYS, LRSchedule, ScheduleError
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 from dynatrain.vps.model import ModelSpec, ModelSpecError, model_from_dict
 from dynatrain.vps.presets import load_model
@@ -51,6 +53,12 @@ class Training:
     adam_eps: float = 1e-8
     seed: int = 0
     data: str = "synthetic"
+    data_dtype: str = "uint16"
+    tokenizer: str = ""
+    lr_schedule: LRSchedule = LRSchedule()
+    grad_clip: float = 0.0
+    init_hf: str = ""
+    """``spec.model.hf``: the checkpoint directory whose weights start the job."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,10 @@ class JobSpec:
         return TrainConfig(model=self.model, layout=layout,
                            global_batch_size=self.global_batch_size,
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                           lr=t.learning_rate, eps=t.adam_eps, seed=t.seed, data=t.data)
+                           lr=t.learning_rate, eps=t.adam_eps, seed=t.seed, data=t.data,
+                           data_dtype=t.data_dtype, tokenizer=t.tokenizer,
+                           lr_schedule=t.lr_schedule, total_steps=t.steps,
+                           grad_clip=t.grad_clip, init_hf=t.init_hf)
 
 
 class _Reader:
@@ -213,10 +224,18 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
 
     model_ref = r.obj(spec, "model", "spec", required=True)
     model = None
+    hf_dir = ""
     if model_ref:
-        if ("preset" in model_ref) == ("spec" in model_ref):
-            r.problems.append("spec.model: set exactly one of spec.model.preset and "
-                              "spec.model.spec")
+        if sum(k in model_ref for k in ("preset", "spec", "hf")) != 1:
+            r.problems.append("spec.model: set exactly one of spec.model.preset, "
+                              "spec.model.spec and spec.model.hf")
+        elif "hf" in model_ref:
+            hf_dir = r.str(model_ref, "hf", "spec.model") or ""
+            if hf_dir:
+                try:
+                    model = load_model(f"hf:{hf_dir}")
+                except ModelSpecError as e:
+                    r.problems.append(f"spec.model.hf: {e}")
         elif "preset" in model_ref:
             preset = r.str(model_ref, "preset", "spec.model")
             if preset:
@@ -266,6 +285,10 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     gbs = (r.int(spec, "globalBatchSize", "spec", DEFAULT_GLOBAL_BATCH_SIZE, minimum=1)
            or DEFAULT_GLOBAL_BATCH_SIZE)
     tr = r.obj(spec, "training", "spec")
+    precision = r.str(tr, "precision", "spec.training", choices=tuple(PRECISIONS))
+    if model is not None and precision:
+        model = replace(model, dtype=PRECISIONS[precision])
+    data, data_dtype, tokenizer = _data(r, tr)
     training = Training(
         steps=r.int(tr, "steps", "spec.training", 100, minimum=1) or 100,
         seq_len=r.int(tr, "seqLen", "spec.training", 0, minimum=0) or 0,
@@ -273,7 +296,21 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         learning_rate=r.float(tr, "learningRate", "spec.training", 1e-3),
         adam_eps=r.float(tr, "adamEpsilon", "spec.training", 1e-8),
         seed=r.int(tr, "seed", "spec.training", 0, minimum=0) or 0,
-        data=r.str(tr, "data", "spec.training", "synthetic") or "synthetic")
+        data=data, data_dtype=data_dtype, tokenizer=tokenizer,
+        lr_schedule=_schedule(r, r.obj(tr, "lrSchedule", "spec.training")),
+        grad_clip=(r.float(tr, "gradClip", "spec.training", 0.0, positive=False)
+                   if "gradClip" in tr else 0.0),
+        init_hf=hf_dir)
+    if training.grad_clip < 0:
+        r.problems.append(f"spec.training.gradClip={training.grad_clip} must be >= 0 "
+                          "(0: no clipping)")
+    if training.lr_schedule.min_lr > training.learning_rate:
+        r.problems.append(f"spec.training.lrSchedule.minLearningRate="
+                          f"{training.lr_schedule.min_lr} exceeds spec.training.learningRate="
+                          f"{training.learning_rate}")
+    if model is not None and data_dtype == "uint16" and model.vocab_size > 1 << 16:
+        r.problems.append(f"spec.training.data.dtype='uint16' cannot hold the ids of the "
+                          f"model's {model.vocab_size:,}-token vocabulary; use 'uint32'")
     mbs = training.micro_batch_size
     gbs_text = (f"spec.globalBatchSize={gbs}" if "globalBatchSize" in spec
                 else f"spec.globalBatchSize={gbs} (the default)")
@@ -340,6 +377,50 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
                    recovery=recovery)
+
+
+def _data(r: _Reader, tr: dict) -> tuple[str, str, str]:
+    """``spec.training.data``: ``synthetic``, a token file's path, or ``{path, dtype,
+    tokenizer}`` (text files need the tokenizer). Returns (path, dtype, tokenizer)."""
+    value = tr.get("data", "synthetic")
+    if isinstance(value, str) and value:
+        return value, "uint16", ""
+    if not isinstance(value, dict):
+        r.problems.append(f"spec.training.data={value!r} must be 'synthetic', a token file's "
+                          "path, or a mapping {path, dtype, tokenizer}")
+        return "synthetic", "uint16", ""
+    unknown = sorted(set(value) - {"path", "dtype", "tokenizer"})
+    if unknown:
+        r.problems.append(f"spec.training.data: unknown field(s) {', '.join(unknown)}; valid "
+                          "fields: path, dtype, tokenizer")
+    path = r.str(value, "path", "spec.training.data", required=True) or "synthetic"
+    dtype = r.str(value, "dtype", "spec.training.data", "uint16",
+                  choices=tuple(TOKEN_DTYPES)) or "uint16"
+    tokenizer = r.str(value, "tokenizer", "spec.training.data", "") if "tokenizer" in value else ""
+    if Path(path).suffix.lower() in TEXT_SUFFIXES and not tokenizer:
+        r.problems.append(f"spec.training.data.path={path!r} is text; set "
+                          "spec.training.data.tokenizer to a Hugging Face tokenizer directory")
+    return path, dtype, tokenizer or ""
+
+
+def _schedule(r: _Reader, doc: dict) -> LRSchedule:
+    """``spec.training.lrSchedule``: {warmupSteps, decay, decaySteps, minLearningRate}."""
+    if not doc:
+        return LRSchedule()
+    unknown = sorted(set(doc) - {"warmupSteps", "decay", "decaySteps", "minLearningRate"})
+    if unknown:
+        r.problems.append(f"spec.training.lrSchedule: unknown field(s) {', '.join(unknown)}; "
+                          "valid fields: warmupSteps, decay, decaySteps, minLearningRate")
+    path = "spec.training.lrSchedule"
+    try:
+        return LRSchedule(
+            warmup_steps=r.int(doc, "warmupSteps", path, 0, minimum=0) or 0,
+            decay=r.str(doc, "decay", path, "constant", choices=DECAYS) or "constant",
+            decay_steps=r.int(doc, "decaySteps", path, 0, minimum=0) or 0,
+            min_lr=r.float(doc, "minLearningRate", path, 0.0, positive=False))
+    except ScheduleError as e:
+        r.problems.append(f"{path}: {e}")
+        return LRSchedule()
 
 
 def _timeouts(r: _Reader, doc: dict) -> tuple[tuple[str, float], ...]:

@@ -7,11 +7,21 @@ message naming every problem.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from dynatrain.vps.layout import Layout, LayoutError, layout_problems, parse_layout
 from dynatrain.vps.model import ModelSpec
 from dynatrain.vps.presets import load_model
+
+from .schedule import LRSchedule
+
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+"""``--precision`` / ``spec.training.precision``: the working parameters' dtype (compute);
+master weights and AdamW moments are float32 either way."""
+TOKEN_DTYPES = {"uint16": 2, "uint32": 4}
+"""Flat token file dtypes and their bytes per token."""
+TEXT_SUFFIXES = (".jsonl", ".txt")
 
 
 class ConfigError(ValueError):
@@ -36,7 +46,21 @@ class TrainConfig:
     seed: int = 0
     """Seeds initialisation and the synthetic data stream."""
     data: str = "synthetic"
-    """``synthetic`` or the path of a flat uint16 token file."""
+    """``synthetic``, the path of a flat token file (``data_dtype``), or a text file
+    (``.jsonl``/``.txt``) that ``tokenizer`` turns into a cached token file once."""
+    data_dtype: str = "uint16"
+    """``uint16`` or ``uint32`` (vocabularies over 65,536 tokens need uint32)."""
+    tokenizer: str = ""
+    """A Hugging Face tokenizer directory (``tokenizer.json``), for text data."""
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    """Warmup and decay; ``lr`` is the peak. ``decay_steps`` 0 means :attr:`total_steps`."""
+    total_steps: int = 0
+    """The job's planned steps (where a schedule with ``decay_steps`` 0 ends); 0: unknown."""
+    grad_clip: float = 0.0
+    """Clip the gradient to this global L2 norm (over every shard once); 0: no clipping."""
+    init_hf: str = ""
+    """A Hugging Face checkpoint directory whose weights start the run (``hf:DIR`` models);
+    empty: seeded random initialisation."""
 
     def __post_init__(self) -> None:
         if self.seq_len == 0:
@@ -56,6 +80,10 @@ class TrainConfig:
     def with_layout(self, layout: Layout) -> "TrainConfig":
         return replace(self, layout=layout)
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        return self.lr_schedule.resolved(self.total_steps).lr(self.lr, step)
+
 
 def config_problems(c: TrainConfig) -> list[str]:
     p = list(layout_problems(c.layout, c.model))
@@ -72,20 +100,49 @@ def config_problems(c: TrainConfig) -> list[str]:
                  f"(max_seq_len of {c.model.name})")
     if c.lr <= 0:
         p.append(f"lr={c.lr} must be positive")
+    if c.lr_schedule.min_lr > c.lr:
+        p.append(f"the schedule's min_lr={c.lr_schedule.min_lr} exceeds the peak lr={c.lr}")
+    if c.grad_clip < 0:
+        p.append(f"grad_clip={c.grad_clip} must be >= 0 (0: no clipping)")
+    if c.data_dtype not in TOKEN_DTYPES:
+        p.append(f"data_dtype={c.data_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    elif c.data_dtype == "uint16" and c.model.vocab_size > 1 << 16:
+        p.append(f"data_dtype='uint16' cannot hold the ids of {c.model.name}'s "
+                 f"{c.model.vocab_size:,}-token vocabulary; use 'uint32'")
     if c.data != "synthetic":
-        from pathlib import Path
-
         path = Path(c.data)
+        text = path.suffix.lower() in TEXT_SUFFIXES
         if not path.is_file():
-            p.append(f"data={c.data!r} is neither 'synthetic' nor an existing token file")
-        elif path.stat().st_size < 2 * (c.seq_len + 1):
+            p.append(f"data={c.data!r} is neither 'synthetic' nor an existing file")
+        elif text and not c.tokenizer:
+            p.append(f"data={c.data!r} is text ({path.suffix}); it needs a tokenizer "
+                     "directory (--tokenizer / spec.training.data.tokenizer)")
+        elif not text and path.stat().st_size < TOKEN_DTYPES.get(c.data_dtype, 2) * (c.seq_len + 1):
             p.append(f"data file {c.data!r} holds fewer than seq_len+1 = {c.seq_len + 1} tokens")
+    if c.tokenizer and not (Path(c.tokenizer) / "tokenizer.json").is_file():
+        p.append(f"tokenizer={c.tokenizer!r} is not a directory with a tokenizer.json")
+    if c.init_hf and not (Path(c.init_hf) / "config.json").is_file():
+        p.append(f"init_hf={c.init_hf!r} is not a Hugging Face checkpoint directory "
+                 "(no config.json)")
     return p
 
 
-def make_config(model: str, layout: str, **kw) -> TrainConfig:
-    """A config from CLI-style strings (model preset or spec file, layout text)."""
+def with_precision(model: ModelSpec, precision: str | None) -> ModelSpec:
+    """``model`` computing in ``precision`` (``fp32``/``bf16``); None or "" keeps its dtype."""
+    if not precision:
+        return model
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    return replace(model, dtype=PRECISIONS[precision])
+
+
+def make_config(model: str, layout: str, *, precision: str | None = None, **kw) -> TrainConfig:
+    """A config from CLI-style strings: a preset, a spec file or ``hf:DIR`` (whose weights then
+    start the run), and layout text."""
     try:
-        return TrainConfig(model=load_model(model), layout=parse_layout(layout), **kw)
+        spec = with_precision(load_model(model), precision)
+        if model.startswith("hf:"):
+            kw.setdefault("init_hf", model[3:])
+        return TrainConfig(model=spec, layout=parse_layout(layout), **kw)
     except LayoutError as e:
         raise ConfigError(str(e)) from None

@@ -17,12 +17,10 @@ from dynatrain.vps.model import ModelSpec
 from .moe import moe_forward
 from .tp import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy, vocab_parallel_embedding
 
-NORM_EPS = 1e-5
-ROPE_THETA = 10000.0
 
-
-def rope_tables(seq_len: int, head_dim: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+def rope_tables(seq_len: int, head_dim: int, theta: float, device,
+                dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)                     # (T, hd)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -45,8 +43,9 @@ class StageModel:
     # -- pieces ------------------------------------------------------------------------------
     def _norm(self, x, w: dict, name: str):
         if self.m.arch == "gpt":
-            return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], NORM_EPS)
-        return F.rms_norm(x, x.shape[-1:], w[f"{name}.weight"], NORM_EPS)
+            return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"],
+                                self.m.norm_eps)
+        return F.rms_norm(x, x.shape[-1:], w[f"{name}.weight"], self.m.norm_eps)
 
     def _attention(self, h, w: dict, p: str):
         B, T, _ = h.shape
@@ -56,11 +55,11 @@ class StageModel:
         k = F.linear(x, w[f"{p}.k.weight"], w.get(f"{p}.k.bias")).view(B, T, -1, m.head_dim)
         v = F.linear(x, w[f"{p}.v.weight"], w.get(f"{p}.v.bias")).view(B, T, -1, m.head_dim)
         if m.qk_norm:
-            q = F.rms_norm(q, q.shape[-1:], w[f"{p}.q_norm.weight"], NORM_EPS)
-            k = F.rms_norm(k, k.shape[-1:], w[f"{p}.k_norm.weight"], NORM_EPS)
+            q = F.rms_norm(q, q.shape[-1:], w[f"{p}.q_norm.weight"], m.norm_eps)
+            k = F.rms_norm(k, k.shape[-1:], w[f"{p}.k_norm.weight"], m.norm_eps)
         if m.arch == "llama":
             if self._rope is None or self._rope[0].shape[0] != T:
-                self._rope = rope_tables(T, m.head_dim, h.device, h.dtype)
+                self._rope = rope_tables(T, m.head_dim, m.rope_theta, h.device, h.dtype)
             q, k = apply_rope(q, *self._rope), apply_rope(k, *self._rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))              # (B, heads, T, hd)
         if k.shape[1] != q.shape[1]:                                  # GQA
@@ -77,6 +76,7 @@ class StageModel:
             return moe_forward(h, w[f"{p}.moe.router.weight"], w[f"{p}.moe.experts.gate"],
                                w[f"{p}.moe.experts.up"], w[f"{p}.moe.experts.down"],
                                top_k=self.m.experts_top_k, num_experts=self.m.num_experts,
+                               normalize=self.m.moe_norm_topk,
                                tp_group=tp, ep_group=self.g.ep, ep=self.ep)
         x = copy_to_tp(h, tp)
         if self.m.arch == "gpt":

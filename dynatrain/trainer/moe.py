@@ -49,14 +49,16 @@ def _expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
 
 def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                 down: torch.Tensor, *, top_k: int, num_experts: int, tp_group, ep_group,
-                ep: int) -> torch.Tensor:
+                ep: int, normalize: bool = True) -> torch.Tensor:
     """h: (B, T, H) replicated over TP; gate/up: (E_local, F_local, H); down: (E_local, H, F_local)."""
     B, T, H = h.shape
     x = h.reshape(-1, H)                                             # (N, H)
     N, k = x.shape[0], top_k
     probs = F.softmax(F.linear(x, router).float(), dim=-1)           # (N, E)
     weights, experts = probs.topk(k, dim=-1)                         # (N, k)
-    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
+    if normalize:                                                    # Mixtral; Qwen3-MoE by config
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(h.dtype)
 
     pair_expert = experts.reshape(-1)                                # (N*k,), token-major
     order = torch.argsort(pair_expert, stable=True)
