@@ -179,8 +179,10 @@ def layout_problems(layout: Layout, model: ModelSpec, num_devices: int | None = 
     ffn = m.moe_ffn_hidden_size if m.is_moe else m.ffn_hidden_size
     if ffn % tp:
         p.append(f"tp={tp} must divide the FFN width ({ffn}) of {m.name}")
-    if m.vocab_size % tp:
-        p.append(f"tp={tp} must divide the vocabulary ({m.vocab_size}) of {m.name}")
+    # The vocabulary is split by rows, unevenly where tp does not divide it (a real checkpoint's
+    # 32,001 or 151,665 tokens); every rank needs at least one row.
+    if m.vocab_size < tp:
+        p.append(f"tp={tp} exceeds the vocabulary ({m.vocab_size} rows) of {m.name}")
     if ep > 1 and not m.is_moe:
         p.append(f"ep={ep} needs an MoE model; {m.name} is dense (use ep=1)")
     elif m.is_moe and m.num_experts % ep:

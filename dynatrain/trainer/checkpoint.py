@@ -17,7 +17,10 @@ layout still gets a state); checkpoints written before the RNG was saved load wi
 layout calls it at the same step boundary; ranks write into ``root/.step-00000042.tmp``, and
 only once every rank has finished does the lowest rank write the metadata, rename the directory
 to ``root/step-00000042`` (atomic), and prune to ``keep`` checkpoints. A ``step-*`` directory is
-therefore always complete, and :func:`latest_checkpoint` ignores anything else.
+therefore always complete, and :func:`latest_checkpoint` ignores anything else. Each also
+records the model it holds as JSON (:data:`MODEL_RECORD`: the spec's fields and, for a model
+imported from Hugging Face, that checkpoint's config.json), so it can be exported without
+naming the model again (:mod:`.hf_export`).
 
 Why not ``dcp.save(process_group=group)``: the elastic workers build every group directly
 (``ProcessGroupGloo(PrefixStore(...), ...)``) and never create a default process group, because
@@ -39,6 +42,7 @@ every rank, naming the rank, so no rank renames a half-written checkpoint or wai
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -61,6 +65,8 @@ _SCALARS = "__dynatrain_scalars__"
 _RNG = "__dynatrain_rng_cpu__"
 _METADATA = ".metadata"  # DCP's FileSystemWriter name; it is written last, by the coordinator
 _STEP_DIR = re.compile(r"step-(\d+)")
+MODEL_RECORD = "model.json"
+"""The model a checkpoint holds, as JSON (never pickle: it is read back by tools)."""
 
 
 class CheckpointError(RuntimeError):
@@ -69,6 +75,37 @@ class CheckpointError(RuntimeError):
 
 def _fqn(name: str, state: str) -> str:
     return f"{name}/{state}"
+
+
+def write_model_record(path, model, hf_source: str = "") -> None:
+    """Record ``model`` in checkpoint directory ``path``; ``hf_source``, the Hugging Face
+    directory it was imported from, contributes its config.json (export starts from it)."""
+    from dynatrain.vps.hf import read_hf_config
+    from dynatrain.vps.model import ModelSpecError
+
+    hf_config = None
+    if hf_source:
+        try:
+            hf_config = read_hf_config(hf_source)
+        except ModelSpecError as e:  # the weights are safe either way: export builds a config
+            warnings.warn(f"checkpoint {path}: the model's Hugging Face config is not "
+                          f"recorded ({e}); an export will write one from the model spec")
+    record = {"model": model.to_dict(), "hf_config": hf_config}
+    with open(os.path.join(os.fspath(path), MODEL_RECORD), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def read_model_record(path):
+    """(ModelSpec, Hugging Face config or None) recorded in checkpoint ``path``; None for a
+    checkpoint that records no model (one written before records existed)."""
+    from dynatrain.vps.model import model_from_dict
+
+    file = os.path.join(os.fspath(path), MODEL_RECORD)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        record = json.load(f)
+    return model_from_dict(record["model"], source=file), record.get("hf_config")
 
 
 def _chunks(tensors: dict) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
@@ -280,7 +317,8 @@ def _prune(root: str, current: int, keep: int) -> None:
 
 
 def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: int | None = None,
-                    group_size: int | None = None, keep: int = 2) -> SavedCheckpoint:
+                    group_size: int | None = None, keep: int = 2,
+                    hf_source: str = "") -> SavedCheckpoint:
     """Save the job's state at ``state.step`` as ``root/step-00000042``; collective.
 
     Every rank of the layout calls it at the same step boundary with its own ``state``.
@@ -290,6 +328,7 @@ def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: i
     must be storage every rank sees (one shared directory); it belongs to this job.
     Returns when the checkpoint is complete and in place on every rank; raises
     :class:`CheckpointError` on every rank if any rank failed, leaving no ``step-*`` directory.
+    ``hf_source``: the Hugging Face directory the model came from, for the model record.
     """
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -366,6 +405,7 @@ def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: i
                 raise FileNotFoundError(
                     f"rank {r} wrote {sorted(set(seen) - here)} into {tmp}, which rank 0 does "
                     "not see there: the checkpoint root must be storage every rank shares")
+        write_model_record(tmp, model, hf_source)
         writer.finish(metadata, results)            # .metadata: the data is all there now
         if os.path.exists(final):                    # the same step saved before: replace it
             aside = os.path.join(root, f".{name}.replaced")

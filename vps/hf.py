@@ -1,0 +1,555 @@
+"""Hugging Face checkpoints by rule: config.json to :class:`ModelSpec` and back, and where each
+VPS tensor lives among a checkpoint's tensors.
+
+This is the one module that knows Hugging Face's names (DESIGN.md, "outside formats by rule, in
+one place"). :func:`model_from_hf` reads a ``config.json`` of the architectures the trainer
+computes exactly (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE) and refuses, naming the field, every
+setting whose math the trainer does not have (scaled RoPE, sliding windows, an output-projection
+or MLP bias, another activation, dense layers among MoE ones, ...), because a model that loads
+but computes something else is worse than one that does not load. :func:`hf_config` goes the
+other way, for export.
+
+The weight names are data: per architecture, each VPS tensor has a list of *sources*, the first
+being the split names ``save_pretrained`` of transformers 5.23 writes (Mixtral's legacy
+``block_sparse_moe.experts.{e}.w1``, say), the others the fused forms some checkpoints hold
+(``qkv_proj``, a dense ``gate_up_proj``, stacked ``mlp.experts.gate_up_proj`` as transformers
+keeps them in memory). A :class:`HFSource` maps any box of the VPS tensor to the boxes of the
+HF tensor(s) holding it, so a reader fetches exactly one rank's share and nothing more.
+
+Pure metadata, like :mod:`.model`: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .boxes import Box, full_box
+from .model import ModelSpec, ModelSpecError
+
+CONFIG = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
+"""Checkpoint dtype -> working dtype. float16 trains as bfloat16: the trainer has no loss
+scaling, without which float16 gradients underflow; the master copy read from the file is
+float32 and holds every float16 value exactly."""
+
+
+class HFCheckpointError(ModelSpecError):
+    """A checkpoint's files do not hold what its config.json says (a missing tensor, a wrong
+    shape, no weights file); the message names the HF tensor and the file."""
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """What one supported Hugging Face architecture is, in the trainer's terms."""
+
+    architecture: str
+    """``architectures[0]`` of its config.json, e.g. ``LlamaForCausalLM``."""
+    model_type: str
+    moe: str = ""
+    """``mixtral`` or ``qwen3_moe`` naming of the MoE block; empty for a dense model."""
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    """q/k/v biases always present (Qwen2), independent of any config field."""
+    attention_bias_field: bool = True
+    """``attention_bias`` exists and, when true, also puts a bias on o_proj (refused)."""
+    sliding: str = ""
+    """How the config says sliding-window attention is on: ``use_sliding_window`` (Qwen),
+    ``sliding_window`` (Mixtral: any value), or empty (never)."""
+    defaults: tuple[tuple[str, Any], ...] = ()
+    """The config class's defaults that differ from Llama's, for fields a config.json omits."""
+
+
+_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                    "hidden_act": "silu", "max_position_embeddings": 2048,
+                    "num_key_value_heads": None, "head_dim": None}
+
+ARCHS: dict[str, HFArch] = {a.architecture: a for a in (
+    HFArch(architecture="LlamaForCausalLM", model_type="llama"),
+    HFArch(architecture="Qwen2ForCausalLM", model_type="qwen2", qkv_bias=True,
+           attention_bias_field=False, sliding="use_sliding_window",
+           defaults=(("num_key_value_heads", 32), ("max_position_embeddings", 32768))),
+    HFArch(architecture="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True,
+           sliding="use_sliding_window",
+           defaults=(("num_key_value_heads", 32), ("head_dim", 128),
+                     ("max_position_embeddings", 32768))),
+    HFArch(architecture="MixtralForCausalLM", model_type="mixtral", moe="mixtral",
+           attention_bias_field=False, sliding="sliding_window",
+           defaults=(("rms_norm_eps", 1e-5), ("rope_theta", 1e6), ("num_key_value_heads", 8),
+                     ("max_position_embeddings", 4096 * 32), ("num_local_experts", 8),
+                     ("num_experts_per_tok", 2))),
+    HFArch(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", moe="qwen3_moe",
+           qk_norm=True, sliding="use_sliding_window",
+           defaults=(("num_key_value_heads", 4), ("max_position_embeddings", 32768),
+                     ("num_experts", 128), ("num_experts_per_tok", 8),
+                     ("moe_intermediate_size", 768), ("norm_topk_prob", False))),
+)}
+MODEL_TYPES = {a.model_type: a for a in ARCHS.values()}
+
+
+# -- config.json -> ModelSpec -------------------------------------------------------------------
+
+def read_hf_config(directory) -> dict[str, Any]:
+    """The parsed ``config.json`` of a checkpoint directory."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ModelSpecError(f"Hugging Face checkpoint directory {str(directory)!r} does not "
+                             "exist")
+    cfg = path / CONFIG
+    if not cfg.is_file():
+        raise ModelSpecError(f"{str(directory)!r} is not a Hugging Face checkpoint directory: "
+                             f"it has no {CONFIG}")
+    try:
+        data = json.loads(cfg.read_text())
+    except ValueError as e:
+        raise ModelSpecError(f"{cfg} could not be parsed: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{cfg}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def model_from_hf(directory) -> ModelSpec:
+    """The ModelSpec of a Hugging Face checkpoint directory, from its ``config.json``."""
+    path = Path(directory)
+    name = path.resolve().name or "hf"
+    return model_from_hf_config(read_hf_config(path), name=name, source=str(path / CONFIG))
+
+
+def hf_arch(config: dict[str, Any], *, source: str = CONFIG) -> HFArch:
+    """The supported architecture a config names, or a ModelSpecError naming what it names."""
+    archs = config.get("architectures")
+    supported = ", ".join(ARCHS)
+    if archs is None:
+        model_type = config.get("model_type")
+        if model_type in MODEL_TYPES:
+            return MODEL_TYPES[model_type]
+        raise ModelSpecError(f"{source}: no 'architectures' and model_type={model_type!r} is not "
+                             f"supported; supported architectures: {supported}")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHS:
+        raise ModelSpecError(f"{source}: architectures={archs!r} is not supported; supported "
+                             f"(exactly one of): {supported}")
+    return ARCHS[archs[0]]
+
+
+def _rope_problems(config: dict, get) -> tuple[float, list[str]]:
+    """RoPE base and the problems with the config's RoPE settings.
+
+    transformers 5 writes ``rope_parameters: {rope_theta, rope_type}``; older configs have a
+    top-level ``rope_theta`` and ``rope_scaling``. Only plain RoPE (``default``) is computed.
+    """
+    problems = []
+    params = config.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        problems.append(f"rope_parameters={params!r} must be a mapping")
+        params = None
+    params = params or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        problems.append(f"rope_parameters.rope_type={rope_type!r} is not supported (only "
+                        "'default' RoPE, without scaling)")
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "default":
+            problems.append(f"rope_scaling={scaling!r} is not supported (only unscaled RoPE; "
+                            "rope_scaling must be null)")
+    for where, value in (("partial_rotary_factor", config.get("partial_rotary_factor")),
+                         ("rope_parameters.partial_rotary_factor",
+                          params.get("partial_rotary_factor"))):
+        if value not in (None, 1, 1.0):
+            problems.append(f"{where}={value!r} is not supported (RoPE over the whole head)")
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = get("rope_theta")                  # top-level (transformers 4), or the default
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        problems.append(f"rope_theta={theta!r} must be a positive number")
+        theta = 10000.0
+    return float(theta), problems
+
+
+def model_from_hf_config(config: dict[str, Any], *, name: str = "hf",
+                         source: str = CONFIG) -> ModelSpec:
+    """The ModelSpec a ``config.json`` (parsed) describes; every unsupported setting is named
+    in one ModelSpecError."""
+    arch = hf_arch(config, source=source)
+    defaults = {**_COMMON_DEFAULTS, **dict(arch.defaults)}
+
+    def get(key):
+        value = config.get(key)
+        return defaults.get(key) if value is None else value
+
+    problems = []
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"]
+    missing = [k for k in required if config.get(k) is None]
+    if missing:
+        raise ModelSpecError(f"{source}: missing required field(s) {', '.join(missing)} "
+                             f"({arch.architecture})")
+    for key in required + ["num_key_value_heads", "head_dim", "max_position_embeddings"]:
+        value = get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            problems.append(f"{key}={value!r} must be a positive integer")
+    if problems:
+        raise ModelSpecError(f"{source}: " + "; ".join(problems))
+
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act={act!r} is not supported (only 'silu': SwiGLU MLPs)")
+    if config.get("mlp_bias"):
+        problems.append("mlp_bias=true is not supported (MLP projections without bias)")
+    if config.get("attention_bias"):
+        problems.append(
+            f"attention_bias=true is not supported for {arch.architecture} (it also puts a bias "
+            "on o_proj, which the trainer does not have; q/k/v-only biases are Qwen2's)"
+            if arch.attention_bias_field else
+            f"attention_bias=true is not a setting of {arch.architecture}")
+    dropout = config.get("attention_dropout") or 0.0
+    if dropout:
+        problems.append(f"attention_dropout={dropout!r} is not supported (the trainer has no "
+                        "dropout; set 0.0)")
+    theta, rope = _rope_problems(config, get)
+    problems += rope
+
+    max_pos = get("max_position_embeddings")
+    window = config.get("sliding_window")
+    # A window at least as long as any sequence never masks anything: that is full attention.
+    short_window = isinstance(window, int) and window < max_pos
+    if arch.sliding == "use_sliding_window" and config.get("use_sliding_window") and (
+            window is None or short_window):
+        problems.append(f"use_sliding_window=true (sliding_window={window!r}) is not supported "
+                        f"(full causal attention only; max_position_embeddings={max_pos})")
+    if arch.sliding == "sliding_window" and window is not None and short_window:
+        problems.append(f"sliding_window={window!r} is not supported (full causal attention "
+                        f"only: null, or >= max_position_embeddings={max_pos})")
+    if not arch.sliding and window is not None:
+        problems.append(f"sliding_window={window!r} is not a setting of {arch.architecture}")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        other = sorted({str(t) for t in layer_types if t != "full_attention"}) \
+            if isinstance(layer_types, list) else [layer_types]
+        if other:
+            problems.append(f"layer_types with {other} is not supported (every layer "
+                            "'full_attention')")
+
+    heads = config["num_attention_heads"]
+    kv = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or config["hidden_size"] // heads
+    eps = get("rms_norm_eps")
+    dtype_name = config.get("dtype", config.get("torch_dtype")) or "float32"
+    if dtype_name not in DTYPES:
+        problems.append(f"dtype={dtype_name!r} is not supported (one of {', '.join(DTYPES)}; "
+                        "float16 trains as bfloat16)")
+        dtype_name = "float32"
+
+    moe: dict[str, Any] = {}
+    if arch.moe == "mixtral":
+        if config.get("router_jitter_noise"):
+            problems.append(f"router_jitter_noise={config['router_jitter_noise']!r} is not "
+                            "supported (the router has no noise; set 0.0)")
+        moe = dict(num_experts=get("num_local_experts"), experts_top_k=get("num_experts_per_tok"),
+                   moe_ffn_hidden_size=config["intermediate_size"], moe_norm_topk=True)
+    elif arch.moe == "qwen3_moe":
+        if config.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers={config['mlp_only_layers']!r} is not supported "
+                            "(every layer an MoE layer: [] )")
+        if get("decoder_sparse_step") not in (None, 1):
+            problems.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} is not "
+                            "supported (every layer an MoE layer: 1)")
+        if config.get("shared_expert_intermediate_size"):
+            problems.append("shared experts (shared_expert_intermediate_size) are not supported")
+        # transformers saves Qwen3-MoE's num_experts under its attribute_map alias.
+        experts = config.get("num_experts", config.get("num_local_experts")) \
+            or get("num_experts")
+        moe = dict(num_experts=experts, experts_top_k=get("num_experts_per_tok"),
+                   moe_ffn_hidden_size=get("moe_intermediate_size"),
+                   moe_norm_topk=bool(get("norm_topk_prob")))
+    if problems:
+        raise ModelSpecError(f"{source} ({arch.architecture}): " + "; ".join(problems))
+    try:
+        return ModelSpec(
+            name=name, arch="llama", vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+            ffn_hidden_size=config["intermediate_size"], max_seq_len=max_pos,
+            tie_embeddings=bool(get("tie_word_embeddings")), qk_norm=arch.qk_norm,
+            qkv_bias=arch.qkv_bias, rope_theta=theta, norm_eps=float(eps),
+            dtype=DTYPES[dtype_name], description=f"{arch.architecture} from {source}", **moe)
+    except TypeError as e:  # a list where a number belongs, say
+        raise ModelSpecError(f"{source}: {e}") from None
+
+
+# -- ModelSpec -> config.json -------------------------------------------------------------------
+
+def arch_for(model: ModelSpec) -> HFArch:
+    """The Hugging Face architecture that computes ``model`` exactly, or a ModelSpecError."""
+    why = None
+    if model.arch != "llama":
+        why = f"arch={model.arch!r} has no Hugging Face export (only 'llama'-family models)"
+    elif model.is_moe:
+        if model.qkv_bias:
+            why = "an MoE model with qkv_bias has no matching architecture"
+        elif model.qk_norm:
+            return ARCHS["Qwen3MoeForCausalLM"]
+        elif not model.moe_norm_topk:
+            why = ("an MoE model without qk_norm is Mixtral, which always renormalises the "
+                   "top-k weights (moe_norm_topk=False is Qwen3-MoE's, with qk_norm)")
+        else:
+            return ARCHS["MixtralForCausalLM"]
+    elif model.qk_norm and model.qkv_bias:
+        why = "qk_norm together with qkv_bias has no matching architecture"
+    elif model.qk_norm:
+        return ARCHS["Qwen3ForCausalLM"]
+    elif model.qkv_bias:
+        return ARCHS["Qwen2ForCausalLM"]
+    else:
+        return ARCHS["LlamaForCausalLM"]
+    raise ModelSpecError(f"model {model.name!r}: {why}; supported: {', '.join(ARCHS)}")
+
+
+def hf_config(model: ModelSpec, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``config.json`` that transformers loads as ``model``.
+
+    ``base`` (the config the model was imported from) is kept, with every field the spec
+    decides set from the spec, so token ids and other fields the trainer does not use survive.
+    """
+    arch = hf_arch(base) if base else arch_for(model)
+    out: dict[str, Any] = dict(base or {})
+    out.pop("torch_dtype", None)          # transformers 5 writes `dtype`; two would disagree
+    out.pop("rope_theta", None)
+    out.pop("rope_scaling", None)
+    out.update(
+        architectures=[arch.architecture], model_type=arch.model_type,
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
+        head_dim=model.head_dim, hidden_act="silu", max_position_embeddings=model.max_seq_len,
+        rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
+        rope_parameters={"rope_theta": float(model.rope_theta), "rope_type": "default"},
+        dtype=model.dtype)
+    if arch.attention_bias_field:
+        out["attention_bias"] = False
+    if arch.model_type == "llama":
+        out["mlp_bias"] = False
+    if arch.sliding == "use_sliding_window":
+        out.setdefault("use_sliding_window", False)
+    if arch.moe == "mixtral":
+        out.update(intermediate_size=model.moe_ffn_hidden_size,
+                   num_local_experts=model.num_experts,
+                   num_experts_per_tok=model.experts_top_k)
+    elif arch.moe == "qwen3_moe":
+        out.pop("num_local_experts", None)
+        out.update(num_experts=model.num_experts, num_experts_per_tok=model.experts_top_k,
+                   moe_intermediate_size=model.moe_ffn_hidden_size,
+                   norm_topk_prob=model.moe_norm_topk, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    problems = _mismatch(model, out)
+    if problems:
+        raise ModelSpecError(f"model {model.name!r} cannot be written as {arch.architecture}: "
+                             + "; ".join(problems))
+    return out
+
+
+def _mismatch(model: ModelSpec, config: dict) -> list[str]:
+    """Differences between ``model`` and what ``config`` reads back as (dtype aside)."""
+    try:
+        back = model_from_hf_config(config, name=model.name)
+    except ModelSpecError as e:
+        return [str(e)]
+    return [f"{k}={getattr(model, k)!r} would read back as {getattr(back, k)!r}"
+            for k in model.to_dict() if k not in ("name", "dtype")
+            and getattr(model, k) != getattr(back, k)]
+
+
+# -- weight names -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where one VPS tensor lives in a checkpoint.
+
+    Either one HF tensor, of which the VPS tensor is the slab ``[offset, offset + n)`` along
+    ``dim`` (all of it when unfused), or (``per_expert``) one HF tensor per expert, expert ``e``
+    being row ``e`` of the VPS tensor's dim 0, each again possibly a slab of a fused tensor.
+    """
+
+    names: tuple[str, ...]
+    """One HF tensor name; or, per expert, one name per expert in order."""
+    hf_shape: tuple[int, ...]
+    """Shape of each named HF tensor."""
+    per_expert: bool = False
+    dim: int = 0
+    """The HF tensor's dim along which the VPS tensor is a slab (fused tensors)."""
+    offset: int = 0
+    extent: int = 0
+    """The slab's length along ``dim``; 0: the whole dim."""
+
+    @property
+    def fused(self) -> bool:
+        return self.offset != 0 or self.extent not in (0, self.hf_shape[self.dim])
+
+    def hf_boxes(self, box: Box) -> list[tuple[str, Box]]:
+        """The (HF tensor, box in it) that hold ``box`` of the VPS tensor, in order: one, or
+        one per expert of ``box``'s dim 0 (to be stacked)."""
+        if self.per_expert:
+            (e0, e1), inner = box[0], box[1:]
+            return [(self.names[e], self._shift(inner)) for e in range(e0, e1)]
+        return [(self.names[0], self._shift(box))]
+
+    def _shift(self, box: Box) -> Box:
+        if not self.offset:
+            return tuple(box)
+        out = list(box)
+        a, b = out[self.dim]
+        out[self.dim] = (a + self.offset, b + self.offset)
+        return tuple(out)
+
+    def parts(self, vps_shape: tuple[int, ...]) -> list[tuple[str, Box]]:
+        """(HF tensor, the VPS box it holds): the inverse, for writing an unfused source."""
+        if self.fused:
+            raise ValueError(f"{self.names[0]} is fused; export writes split tensors only")
+        if self.per_expert:
+            inner = full_box(vps_shape[1:])
+            return [(n, ((e, e + 1),) + inner) for e, n in enumerate(self.names)]
+        return [(self.names[0], full_box(vps_shape))]
+
+
+@dataclass(frozen=True)
+class _Whole:
+    template: str
+
+
+@dataclass(frozen=True)
+class _Experts:
+    template: str
+    """With ``{e}`` for the expert index."""
+
+
+@dataclass(frozen=True)
+class _Fused:
+    template: str
+    group: str
+    """``qkv`` (q, k, v rows) or ``gate_up`` (gate, then up)."""
+    index: int
+    dim: int = 0
+
+
+# Per layer, relative to ``model.layers.{i}.``. The first source of each is what export writes
+# (the names save_pretrained writes); the rest are fused forms a reader also accepts.
+_LAYER_RULES: dict[str, tuple] = {
+    "attn_norm.weight": (_Whole("input_layernorm.weight"),),
+    "mlp_norm.weight": (_Whole("post_attention_layernorm.weight"),),
+    "attn.q.weight": (_Whole("self_attn.q_proj.weight"),
+                      _Fused("self_attn.qkv_proj.weight", "qkv", 0)),
+    "attn.k.weight": (_Whole("self_attn.k_proj.weight"),
+                      _Fused("self_attn.qkv_proj.weight", "qkv", 1)),
+    "attn.v.weight": (_Whole("self_attn.v_proj.weight"),
+                      _Fused("self_attn.qkv_proj.weight", "qkv", 2)),
+    "attn.q.bias": (_Whole("self_attn.q_proj.bias"),
+                    _Fused("self_attn.qkv_proj.bias", "qkv", 0)),
+    "attn.k.bias": (_Whole("self_attn.k_proj.bias"),
+                    _Fused("self_attn.qkv_proj.bias", "qkv", 1)),
+    "attn.v.bias": (_Whole("self_attn.v_proj.bias"),
+                    _Fused("self_attn.qkv_proj.bias", "qkv", 2)),
+    "attn.q_norm.weight": (_Whole("self_attn.q_norm.weight"),),
+    "attn.k_norm.weight": (_Whole("self_attn.k_norm.weight"),),
+    "attn.o.weight": (_Whole("self_attn.o_proj.weight"),),
+    "mlp.gate.weight": (_Whole("mlp.gate_proj.weight"),
+                        _Fused("mlp.gate_up_proj.weight", "gate_up", 0)),
+    "mlp.up.weight": (_Whole("mlp.up_proj.weight"),
+                      _Fused("mlp.gate_up_proj.weight", "gate_up", 1)),
+    "mlp.down.weight": (_Whole("mlp.down_proj.weight"),),
+}
+# transformers 5 keeps both MoE families' experts in memory as stacked ``mlp.experts.gate_up_proj``
+# (E, 2F, H: gate rows, then up rows) and ``mlp.experts.down_proj`` (E, H, F), with the router at
+# ``mlp.gate.weight``; checkpoints written from that layout hold those names.
+_STACKED = {
+    "moe.router.weight": (_Whole("mlp.gate.weight"),),
+    "moe.experts.gate": (_Fused("mlp.experts.gate_up_proj", "gate_up", 0, dim=1),),
+    "moe.experts.up": (_Fused("mlp.experts.gate_up_proj", "gate_up", 1, dim=1),),
+    "moe.experts.down": (_Whole("mlp.experts.down_proj"),),
+}
+_MOE_RULES: dict[str, dict[str, tuple]] = {
+    "mixtral": {
+        "moe.router.weight": (_Whole("block_sparse_moe.gate.weight"),),
+        "moe.experts.gate": (_Experts("block_sparse_moe.experts.{e}.w1.weight"),),
+        "moe.experts.up": (_Experts("block_sparse_moe.experts.{e}.w3.weight"),),
+        "moe.experts.down": (_Experts("block_sparse_moe.experts.{e}.w2.weight"),),
+    },
+    "qwen3_moe": {
+        "moe.router.weight": (),
+        "moe.experts.gate": (_Experts("mlp.experts.{e}.gate_proj.weight"),),
+        "moe.experts.up": (_Experts("mlp.experts.{e}.up_proj.weight"),),
+        "moe.experts.down": (_Experts("mlp.experts.{e}.down_proj.weight"),),
+    },
+}
+_GLOBAL_RULES = {
+    "embed.tokens": (_Whole("model.embed_tokens.weight"),),
+    "final_norm.weight": (_Whole("model.norm.weight"),),
+    "head.weight": (_Whole("lm_head.weight"),),
+}
+
+
+def _group_sizes(model: ModelSpec, group: str, vps_name: str) -> tuple[int, ...]:
+    if group == "qkv":
+        return (model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim,
+                model.num_kv_heads * model.head_dim)
+    f = model.moe_ffn_hidden_size if ".experts." in vps_name else model.ffn_hidden_size
+    return (f, f)
+
+
+def _rules_for(arch: HFArch, vps_name: str) -> tuple[str, tuple]:
+    """(HF name prefix, rules) of one VPS tensor."""
+    if vps_name in _GLOBAL_RULES:
+        return "", _GLOBAL_RULES[vps_name]
+    _, layer, rest = vps_name.split(".", 2)
+    prefix = f"model.layers.{layer}."
+    if rest.startswith("moe."):
+        return prefix, _MOE_RULES[arch.moe][rest] + _STACKED[rest]
+    return prefix, _LAYER_RULES[rest]
+
+
+@lru_cache(maxsize=8)
+def _shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {t.name: t.shape for t in model.tensors}
+
+
+def hf_sources(arch: HFArch, model: ModelSpec, vps_name: str) -> tuple[HFSource, ...]:
+    """Every way a checkpoint may hold ``vps_name``: the split (written) form first."""
+    shape = _shapes(model).get(vps_name)
+    if shape is None:
+        raise KeyError(f"{model.name} has no tensor {vps_name!r}")
+    prefix, rules = _rules_for(arch, vps_name)
+    out = []
+    for rule in rules:
+        name = prefix + rule.template
+        if isinstance(rule, _Whole):
+            out.append(HFSource((name,), shape))
+        elif isinstance(rule, _Experts):
+            out.append(HFSource(tuple(name.format(e=e) for e in range(model.num_experts)),
+                                shape[1:], per_expert=True))
+        else:
+            sizes = _group_sizes(model, rule.group, vps_name)
+            hf_shape = list(shape)
+            hf_shape[rule.dim] = sum(sizes)
+            out.append(HFSource((name,), tuple(hf_shape), dim=rule.dim,
+                                offset=sum(sizes[:rule.index]), extent=sizes[rule.index]))
+    return tuple(out)
+
+
+def export_names(arch: HFArch, model: ModelSpec
+                 ) -> list[tuple[str, str, Box, tuple[int, ...]]]:
+    """(HF tensor, VPS tensor, VPS box, HF shape) for every tensor export writes, in model
+    order: the first (split) source of each VPS tensor."""
+    out = []
+    for t in model.tensors:
+        src = hf_sources(arch, model, t.name)[0]
+        for hf_name, box in src.parts(t.shape):
+            out.append((hf_name, t.name, box, src.hf_shape))
+    return out
+
