@@ -6,16 +6,24 @@ function of (source, seed, index), the data position (the next sample index) is 
 the stream has, and a run resumed under another layout sees exactly the samples it would have.
 
 Two sources: a seeded synthetic stream with learnable structure (a sparse Markov chain, so the
-loss visibly falls within a few steps), and a local file of flat uint16 tokens.
+loss visibly falls within a few steps), and a local file of flat uint16 or uint32 tokens,
+memory-mapped (a text corpus becomes such a file once, :mod:`.textdata`).
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .config import TOKEN_DTYPES
+from .textdata import DataError, check_tokens, is_text, prepare_data
+
+__all__ = ["SyntheticTokens", "FileTokens", "token_source", "prepare_data", "micro_batches",
+           "DataError"]
 
 
 class SyntheticTokens:
@@ -50,26 +58,42 @@ class SyntheticTokens:
 
 
 class FileTokens:
-    """Sample ``i``: ``seq_len + 1`` consecutive tokens from a flat uint16 file, wrapping."""
+    """Sample ``i``: ``seq_len + 1`` consecutive tokens of a flat ``dtype`` file starting at
+    token ``(i mod windows) * seq_len``, where ``windows = (tokens - 1) // seq_len``: windows
+    overlap by the one token that is both the last target of one and the first input of the
+    next, and the stream wraps around after the last whole window."""
 
-    def __init__(self, path: str, vocab_size: int, seq_len: int):
-        self.tokens = np.memmap(Path(path), dtype=np.uint16, mode="r")
-        self.seq_len = seq_len
+    def __init__(self, path: str, vocab_size: int, seq_len: int, dtype: str = "uint16", *,
+                 source: str = ""):
+        if dtype not in TOKEN_DTYPES:
+            raise DataError(f"token dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+        size = os.stat(path).st_size
+        width = TOKEN_DTYPES[dtype]
+        if size % width:
+            raise DataError(f"token file {path!r} is {size:,} bytes, not a whole number of "
+                            f"{dtype} tokens ({width} bytes each): is the dtype right?")
+        if size // width < seq_len + 1:
+            raise DataError(f"token file {path!r} holds {size // width:,} tokens, fewer than "
+                            f"seq_len+1 = {seq_len + 1}")
+        self.path, self.dtype, self.seq_len = path, dtype, seq_len
+        self.tokens = np.memmap(Path(path), dtype=np.dtype(dtype), mode="r")
         self.windows = (len(self.tokens) - 1) // seq_len
-        top = int(self.tokens.max()) if len(self.tokens) else 0
-        if top >= vocab_size:
-            raise ValueError(f"token file {path!r} holds token id {top}, outside the model's "
-                             f"vocabulary of {vocab_size}")
+        check_tokens(path, dtype, vocab_size, source=source)
 
     def sample(self, index: int) -> torch.Tensor:
         start = (index % self.windows) * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
 
-def token_source(data: str, vocab_size: int, seq_len: int, seed: int):
-    if data == "synthetic":
-        return SyntheticTokens(vocab_size, seq_len, seed)
-    return FileTokens(data, vocab_size, seq_len)
+def token_source(config):
+    """The token stream of a :class:`~dynatrain.trainer.config.TrainConfig`: the synthetic
+    stream, a token file, or a text corpus's cached token file (tokenised here if no process
+    did it before, see :func:`prepare_data`)."""
+    if config.data == "synthetic":
+        return SyntheticTokens(config.model.vocab_size, config.seq_len, config.seed)
+    path, dtype = prepare_data(config)
+    source = f"{config.data} with {config.tokenizer}" if is_text(config.data) else ""
+    return FileTokens(path, config.model.vocab_size, config.seq_len, dtype, source=source)
 
 
 def micro_batches(source, position: int, global_batch: int, dp: int, dp_index: int,
