@@ -80,7 +80,9 @@ def tp_box(tensor: ShardRule, tp: int, tp_index: int, ep: int, ep_rank: int) -> 
     if tensor.tp_dim is not None and tp > 1:
         dim, units = tensor.tp_dim, tensor.tp_units
         unit = tensor.shape[dim] // units
-        if units % tp == 0:
+        if units % tp == 0 or (not tensor.tp_replicable and units >= tp):
+            # Equal shares; or near-equal ones where tp does not divide the units, which
+            # layout validation allows only for the vocabulary's rows (32,001 tokens, say).
             lo, hi = even_split(units, tp, tp_index)
         elif tensor.tp_replicable and tp % units == 0:
             lo = tp_index // (tp // units)  # each unit (kv head) replicated on tp/units ranks
@@ -177,6 +179,28 @@ def _rank_shards(layout, model, rank: int) -> tuple[RankShard, ...]:
                     out.append(RankShard(t, state, shard.pieces, shard.local_shape))
                     break
     return tuple(out)
+
+
+def counts_once(bound: BoundLayout, tensor: TensorSpec, state: str, rank: int) -> bool:
+    """Whether ``rank`` stands for its shard of ``tensor``'s ``state`` in a sum over every
+    element of the logical model taken exactly once (the global gradient norm).
+
+    Every replica of a shard holds the same values: DP and expert-DP copies without ZeRO, the
+    TP ranks of a tensor TP does not split or of one replicated GQA kv head, the tied
+    embedding's copy on the last stage. The distinct shards of a stage are disjoint and cover
+    the tensor, so letting only the first holder (lowest dp, then tp index) of each distinct
+    shard, on the first stage that holds the tensor, count it sees every element once, in
+    every layout, and needs no communication to decide. A rank that does not hold the tensor
+    at all does not count it either.
+    """
+    layout = bound.layout
+    stage, j, ti = layout.coords(rank)
+    if stage != bound.stages_of(tensor.layer, tensor.tied_to_last)[0]:
+        return False
+    for shard in shard_pattern(tensor, state, layout):
+        if (j, ti) in shard.holders:
+            return shard.holders[0] == (j, ti)
+    return False
 
 
 def shards(bound: BoundLayout) -> dict[int, list[RankShard]]:

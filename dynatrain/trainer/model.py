@@ -100,9 +100,14 @@ class StageModel:
             x = x + self._mlp(self._norm(x, w, f"{p}.mlp_norm"), w, p)
         return x
 
-    def loss(self, x: torch.Tensor, targets: torch.Tensor, w: dict) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, targets: torch.Tensor, w: dict,
+             reduction: str = "mean") -> torch.Tensor:
+        """Next-token cross-entropy: the mean, or (``reduction="none"``) one per token,
+        flattened (B*T,)."""
         x = self._norm(x, w, "final_norm")
         head = w["embed.tokens"] if self.m.tie_embeddings else w["head.weight"]
-        logits = F.linear(copy_to_tp(x, self.g.tp), head)            # (B, T, V_local)
+        # (B, T, V_local); the softmax in fp32 whatever the compute dtype, as transformers
+        # and Megatron do: bf16 logits would move the loss itself by ~1e-3.
+        logits = F.linear(copy_to_tp(x, self.g.tp), head).float()
         return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                            self.vocab_start, self.g.tp)
+                                            self.vocab_start, self.g.tp, reduction)

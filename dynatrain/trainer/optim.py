@@ -9,6 +9,13 @@ ZeRO (``flat_shard_range``, the same rule the mapping uses). AdamW is elementwis
 it changes nothing in the numbers. After the step, ZeRO-1 reassembles full parameters with one
 bucketed all-reduce of zero-padded shards (exact: adding zeros is exact), which works on gloo,
 whose reduce-scatter and uneven all-gather support is incomplete, as well as on NCCL.
+
+Before the step, the learning rate of the step comes from the config's schedule (a pure
+function of the step count, which every switch and recovery carries), and gradients may be
+clipped to a global L2 norm. That norm is over the logical model, each element once, whatever
+the layout: every rank sums the squares of only the master-gradient shards it is the
+designated holder of (:func:`dynatrain.vps.mapping.counts_once`: no replica counted twice, every
+ZeRO or expert shard counted), and one float64 all-reduce over the world adds the shares.
 """
 
 from __future__ import annotations
@@ -49,6 +56,33 @@ def reduce_gradients(working: dict[str, torch.Tensor], specs: dict, groups) -> N
     expert = [g for n, g in grads.items() if specs[n].expert_dim is not None]
     all_reduce_bucket(dense, groups.dp)
     all_reduce_bucket(expert, groups.edp)
+
+
+def square_sum(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """Sum of the squares of every element of ``grads``, as a float64 scalar on ``device``.
+
+    float64 so that the total hardly depends on the order the shares are added in: layouts
+    add them in different orders, and all of them should clip by the same factor."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    return total
+
+
+def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (norm + 1e-6))``, the factor of
+    ``torch.nn.utils.clip_grad_norm_``. A tensor factor, so a GPU never waits for the host;
+    scaling by exactly 1.0 changes nothing, so unclipped steps keep their gradients bit for bit.
+    """
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(factor.to(g.dtype))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The rate of the coming step, for every parameter group (decayed or not)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def make_optimizer(masters: dict[str, torch.Tensor], specs: dict, cfg) -> torch.optim.AdamW:

@@ -66,13 +66,14 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab_s
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 group) -> torch.Tensor:
-    """Mean cross-entropy when this rank holds the logits of one vocabulary slice.
+                                 group, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy when this rank holds the logits of one vocabulary slice: the mean, or
+    with ``reduction="none"`` each row's (evaluation sums them over the rows it counts).
 
     logits: (N, V_local) for vocabulary rows [vocab_start, vocab_start + V_local).
     """
     if group is None:
-        return F.cross_entropy(logits, targets)
+        return F.cross_entropy(logits, targets, reduction=reduction)
     with torch.no_grad():
         top = logits.max(dim=-1).values
         wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True))
@@ -82,4 +83,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     inside = (local >= 0) & (local < logits.shape[-1])
     picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     target_logit = reduce_from_tp(picked * inside, group)
-    return (sum_exp.log() - target_logit).mean()
+    losses = sum_exp.log() - target_logit
+    return losses.mean() if reduction == "mean" else losses

@@ -4,6 +4,14 @@ Written separately from dynatrain.trainer (no shared forward code): nn.Linear, n
 nn.LayerNorm/nn.RMSNorm, a loop over experts, F.cross_entropy. It shares only the initial
 values (dynatrain.trainer.weights) and the data stream, which are inputs, not the computation
 under test. The distributed trainer under every layout must follow this model's losses.
+
+The training loop is torch's own too: gradient clipping is ``torch.nn.utils.clip_grad_norm_``
+over the full parameters (its two halves, ``get_total_norm`` and ``clip_grads_with_norm_``, with
+the norm taken over float64 copies: torch's float32 norm on CPU is measurably low, ~2e-6
+relative on a 256x1024 gradient, which is the reference's rounding, not the trainer's), and the
+learning-rate schedule is built from
+``torch.optim.lr_scheduler`` (LinearLR warmup, then CosineAnnealingLR or LinearLR decay, joined
+by SequentialLR), not from dynatrain.trainer.schedule, so neither is checked against itself.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from typing import NamedTuple
 
 from dynatrain.trainer.data import micro_batches, token_source
 from dynatrain.trainer.weights import initial_tensor
@@ -22,15 +32,16 @@ class Block(nn.Module):
         self.m = m
         H, hd = m.hidden_size, m.head_dim
         bias = m.arch == "gpt"
-        Norm = (lambda n: nn.LayerNorm(n, eps=1e-5)) if m.arch == "gpt" else \
-            (lambda n: nn.RMSNorm(n, eps=1e-5))
+        eps = m.norm_eps
+        Norm = (lambda n: nn.LayerNorm(n, eps=eps)) if m.arch == "gpt" else \
+            (lambda n: nn.RMSNorm(n, eps=eps))
         self.attn_norm, self.mlp_norm = Norm(H), Norm(H)
         self.q = nn.Linear(H, m.num_heads * hd, bias=bias)
         self.k = nn.Linear(H, m.num_kv_heads * hd, bias=bias)
         self.v = nn.Linear(H, m.num_kv_heads * hd, bias=bias)
         self.o = nn.Linear(m.num_heads * hd, H, bias=bias)
         if m.qk_norm:
-            self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=1e-5), nn.RMSNorm(hd, eps=1e-5)
+            self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=eps), nn.RMSNorm(hd, eps=eps)
         if m.is_moe:
             E, Fe = m.num_experts, m.moe_ffn_hidden_size
             self.router = nn.Linear(H, E, bias=False)
@@ -47,7 +58,7 @@ class Block(nn.Module):
 
     def rope(self, x):  # x: (B, T, heads, hd)
         T, hd = x.shape[1], x.shape[-1]
-        freqs = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+        freqs = 1.0 / (self.m.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
         ang = torch.arange(T).float()[:, None] * freqs[None, :]
         cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
         sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
@@ -103,8 +114,8 @@ class ReferenceLM(nn.Module):
         if m.arch == "gpt":
             self.pos = nn.Embedding(m.max_seq_len, m.hidden_size)
         self.blocks = nn.ModuleList(Block(m) for _ in range(m.num_layers))
-        self.norm = (nn.LayerNorm(m.hidden_size, eps=1e-5) if m.arch == "gpt"
-                     else nn.RMSNorm(m.hidden_size, eps=1e-5))
+        self.norm = (nn.LayerNorm(m.hidden_size, eps=m.norm_eps) if m.arch == "gpt"
+                     else nn.RMSNorm(m.hidden_size, eps=m.norm_eps))
         if not m.tie_embeddings:
             self.head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
 
@@ -147,8 +158,44 @@ class ReferenceLM(nn.Module):
         return out
 
 
-def train_reference(config, steps: int):
-    """(losses, final params by logical name) of single-process training."""
+def torch_schedule(opt, config):
+    """A torch.optim.lr_scheduler object for ``config``'s schedule (``lr`` is the peak):
+    stepped once after each optimizer step, it gives the next step's rate."""
+    from torch.optim.lr_scheduler import (ConstantLR, CosineAnnealingLR, LinearLR,
+                                          SequentialLR)
+
+    sched = config.lr_schedule
+    peak, floor, warmup = config.lr, sched.min_lr, sched.warmup_steps
+    end = sched.decay_steps or max(config.total_steps, warmup + 1)
+    parts = []
+    if warmup:
+        # Step s of the warmup trains at peak * (s + 1) / warmup: factor 1/warmup at the
+        # first step, 1 at step warmup - 1.
+        parts.append(LinearLR(opt, start_factor=1.0 / warmup, end_factor=1.0,
+                              total_iters=max(warmup - 1, 1)))
+    if sched.decay == "cosine":
+        parts.append(CosineAnnealingLR(opt, T_max=end - warmup, eta_min=floor))
+    elif sched.decay == "linear":
+        parts.append(LinearLR(opt, start_factor=1.0, end_factor=floor / peak,
+                              total_iters=end - warmup))
+    else:
+        parts.append(ConstantLR(opt, factor=1.0, total_iters=0))
+    if len(parts) == 1:
+        return parts[0]
+    return SequentialLR(opt, parts, milestones=[warmup])
+
+
+class Reference(NamedTuple):
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    """Final parameters by logical name."""
+    grad_norms: list[float]
+    """Each step's gradient norm before clipping (float64, over the full parameters)."""
+
+
+def train_reference(config, steps: int) -> Reference:
+    """Single-process training of ``config``'s model with its batch, optimizer, schedule and
+    clipping."""
     m = config.model
     model = ReferenceLM(m)
     params = model.named_logical()
@@ -162,8 +209,9 @@ def train_reference(config, steps: int):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
-    source = token_source(config.data, m.vocab_size, config.seq_len, config.seed)
-    losses, position = [], 0
+    schedule = torch_schedule(opt, config)
+    source = token_source(config)
+    losses, norms, position = [], [], 0
     for _ in range(steps):
         opt.zero_grad()
         batches = micro_batches(source, position, config.global_batch_size, 1, 0,
@@ -173,7 +221,13 @@ def train_reference(config, steps: int):
             loss = model(inputs, targets)
             (loss / len(batches)).backward()
             total += loss.item()
+        grads = [p.grad for p in params.values()]
+        norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(list(params.values()), config.grad_clip, norm)
+        norms.append(float(norm))
         opt.step()
+        schedule.step()
         losses.append(total / len(batches))
         position += config.global_batch_size
-    return losses, {n: p.detach().clone() for n, p in params.items()}
+    return Reference(losses, {n: p.detach().clone() for n, p in params.items()}, norms)
