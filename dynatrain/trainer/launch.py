@@ -3,7 +3,9 @@
 :func:`run_local` starts one process per rank (:mod:`.processes`: forked from a server that has
 torch imported; a TCP rendezvous on a free loopback port), gloo on CPU or NCCL when this machine has a GPU per rank, and streams
 rank 0's per-step results back through a queue so the caller can show live progress. Every
-wait has a timeout. :func:`main` is the torchrun entry point
+wait has a timeout. :func:`run_ranks` is that start-up on its own (processes, process group,
+device, the queue and its watchdog) for any per-rank body: training here, evaluation in
+:mod:`.evaluate`. :func:`main` is the torchrun entry point
 (``torchrun --nproc-per-node N -m dynatrain.trainer.launch --model M --layout L``).
 """
 
@@ -34,8 +36,12 @@ from .trainer import LocalState, Trainer
 DEFAULT_TIMEOUT_S = float(os.environ.get("DYNATRAIN_TRAIN_TIMEOUT_S", "900"))
 
 
-class TrainingFailed(RuntimeError):
-    """A worker process died or the job did not finish in time."""
+class RanksFailed(RuntimeError):
+    """A rank process died or the job did not finish in time."""
+
+
+TrainingFailed = RanksFailed
+"""The name training callers know :class:`RanksFailed` by."""
 
 
 @dataclass
@@ -48,6 +54,8 @@ class TrainResult:
     step_seconds: list[float]
     tokens_per_second: float
     """Median over the steps after the first (the first pays one-off allocation costs)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Each step's global gradient norm before clipping."""
     full_state: FullState | None = field(default=None, repr=False)
 
     def to_json(self) -> dict:
@@ -77,83 +85,120 @@ def _device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _worker(rank: int, world: int, config: TrainConfig, steps: int, port: int, backend: str,
-            results, want_state: bool, timeout_s: float, start: FullState | None) -> None:
+def _train_rank(rank: int, device: torch.device, results, config: TrainConfig, steps: int,
+                want_state: bool, start: FullState | None, save_to: str = "") -> None:
+    """One rank of :func:`run_local`, inside :func:`run_ranks`' process group."""
+    bound = bind(config.layout, config.model)
+    groups = build_groups(bound, rank)
+    state = local_from_full(start, bound, rank) if start is not None else None
+    trainer = Trainer(config, groups, device=device, state=state)
+    for _ in range(steps):
+        r = trainer.train_step()
+        if rank == 0:
+            results.put(("step", (r.step, r.loss, r.seconds, r.tokens_per_second,
+                                  r.grad_norm)))
+    if want_state:
+        st = trainer.local_state()
+        cpu = {k: (t.detach().cpu(), p) for k, (t, p) in st.tensors.items()}
+        # Bytes, not tensors: a queued tensor is a shared-memory handle that dies with
+        # this process if it exits before the parent has read it.
+        buf = io.BytesIO()
+        torch.save(LocalState(cpu, st.step, st.data_position), buf)
+        results.put(("state", buf.getvalue()))
+    if save_to:  # a DCP checkpoint of the final state (collective over the default group)
+        from .checkpoint import save_state
+
+        save_state(trainer.local_state(), config.model, save_to)
+
+
+def run_local(config: TrainConfig, steps: int, *, backend: str = "auto", progress=None,
+              want_state: bool = False, start: FullState | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S, save_to: str = "") -> TrainResult:
+    """Train ``steps`` steps with one process per rank on this machine.
+
+    ``start`` continues from a full training state (under any layout); ``want_state`` returns
+    the final full state in ``TrainResult.full_state``; ``save_to`` has the ranks write the
+    final state as a DCP checkpoint there (each rank its own shards; ``--save-hf`` exports it).
+    """
+    world = config.layout.world
+    backend = pick_backend(backend, world)
+    losses, seconds, norms, states = [], [], [], []
+
+    def on_message(kind, payload):
+        if kind == "step":
+            step, loss, sec, tps, norm = payload
+            losses.append(loss)
+            seconds.append(sec)
+            norms.append(norm)
+            if progress:
+                progress(step, steps, loss, sec, tps)
+        else:
+            states.append(torch.load(io.BytesIO(payload), weights_only=False))
+
+    run_ranks(_train_rank, (config, steps, want_state, start, save_to), world=world,
+              backend=backend, messages=steps + (world if want_state else 0),
+              on_message=on_message, what=f"training {config.layout.to_text()}",
+              timeout_s=timeout_s)
+    later = seconds[1:] or seconds
+    tps = config.tokens_per_step / statistics.median(later) if later else 0.0
+    full = assemble_full(config.model, states) if want_state else None
+    return TrainResult(config.model.name, config.layout.to_text(), world, backend, losses,
+                       seconds, tps, norms, full)
+
+
+def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, results,
+               body, body_args: tuple) -> None:
+    """One rank: its share of the cores, its device, the default process group, then
+    ``body(rank, device, results, *body_args)``; the closing barrier keeps every rank's groups
+    alive until all ranks are done with them."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = _device(backend, rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     try:
-        bound = bind(config.layout, config.model)
-        groups = build_groups(bound, rank)
-        state = local_from_full(start, bound, rank) if start is not None else None
-        trainer = Trainer(config, groups, device=device, state=state)
-        for _ in range(steps):
-            r = trainer.train_step()
-            if rank == 0:
-                results.put(("step", (r.step, r.loss, r.seconds, r.tokens_per_second)))
-        if want_state:
-            st = trainer.local_state()
-            cpu = {k: (t.detach().cpu(), p) for k, (t, p) in st.tensors.items()}
-            # Bytes, not tensors: a queued tensor is a shared-memory handle that dies with
-            # this process if it exits before the parent has read it.
-            buf = io.BytesIO()
-            torch.save(LocalState(cpu, st.step, st.data_position), buf)
-            results.put(("state", buf.getvalue()))
+        body(rank, device, results, *body_args)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_local(config: TrainConfig, steps: int, *, backend: str = "auto", progress=None,
-              want_state: bool = False, start: FullState | None = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> TrainResult:
-    """Train ``steps`` steps with one process per rank on this machine.
+def run_ranks(body, body_args: tuple, *, world: int, backend: str, messages: int, on_message,
+              what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Run ``body(rank, device, results, *body_args)`` in ``world`` processes on this machine.
 
-    ``start`` continues from a full training state (under any layout); ``want_state`` returns
-    the final full state in ``TrainResult.full_state``.
+    ``body`` must be a module-level function (the ranks import it by name); ``backend`` is
+    resolved already (:func:`pick_backend`). The ranks report with ``results.put((kind,
+    payload))``; each of the ``messages`` reports expected is handed to ``on_message(kind,
+    payload)`` as it arrives, and an exception raised there stops the ranks and propagates.
+    ``what`` names the job in errors ("training dp=2,tp=1,pp=1"). Raises :class:`RanksFailed`
+    when a rank dies or the whole does not finish within ``timeout_s``.
     """
-    world = config.layout.world
-    backend = pick_backend(backend, world)
     results = processes.context().Queue()
     procs = processes.start_ranks(
-        _worker, args=(world, config, steps, free_port(), backend, results, want_state,
-                       timeout_s, start),
+        _rank_main, args=(world, free_port(), backend, timeout_s, results, body, body_args),
         nprocs=world)
-    losses, seconds, states = [], [], []
     deadline = time.monotonic() + timeout_s
-    expected = steps + (world if want_state else 0)
-    while len(losses) + len(states) < expected:
-        try:
-            kind, payload = results.get(timeout=1.0)
-        except queue_mod.Empty:
+    received = 0
+    try:
+        while received < messages:
+            try:
+                kind, payload = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    raise RanksFailed(f"{what} did not finish within {timeout_s:.0f} s") from None
+                if any(p.exitcode not in (None, 0) for p in procs.processes):
+                    codes = [p.exitcode for p in procs.processes]
+                    raise RanksFailed(f"a worker died (exit codes {codes}); its traceback is "
+                                      "printed above") from None
+                continue
+            received += 1
+            on_message(kind, payload)
+        while not procs.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                _stop(procs)
-                raise TrainingFailed(f"training {config.layout.to_text()} did not finish "
-                                     f"within {timeout_s:.0f} s") from None
-            if any(p.exitcode not in (None, 0) for p in procs.processes):
-                _stop(procs)
-                codes = [p.exitcode for p in procs.processes]
-                raise TrainingFailed(f"a worker died (exit codes {codes}); its traceback is "
-                                     "printed above") from None
-            continue
-        if kind == "step":
-            step, loss, sec, tps = payload
-            losses.append(loss)
-            seconds.append(sec)
-            if progress:
-                progress(step, steps, loss, sec, tps)
-        else:
-            states.append(torch.load(io.BytesIO(payload), weights_only=False))
-    while not procs.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            _stop(procs)
-            raise TrainingFailed("workers did not exit after training")
-    later = seconds[1:] or seconds
-    tps = config.tokens_per_step / statistics.median(later) if later else 0.0
-    full = assemble_full(config.model, states) if want_state else None
-    return TrainResult(config.model.name, config.layout.to_text(), world, backend, losses,
-                       seconds, tps, full)
+                raise RanksFailed(f"workers did not exit after {what}")
+    except BaseException:
+        _stop(procs)
+        raise
 
 
 def _stop(procs) -> None:
