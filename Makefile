@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PHASE  := tools/phase
 
-.PHONY: setup demo test go-tools bench bench-smoke gpu-check clean
+.PHONY: setup demo finetune test go-tools bench bench-smoke gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,14 @@ $(VENV)/.installed: pyproject.toml
 # the layout (a live re-layout). Each switch moves only the shards that change.
 demo: setup
 	$(BIN)/dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
+
+# Real workloads: a tiny random Llama and tokenizer made offline from the shipped corpus,
+# fine-tuned on it with a schedule, clipping and live switches, then exported in Hugging Face
+# format (examples/finetune-hf.yaml; README "Real workloads").
+finetune: setup
+	$(BIN)/python examples/make_tiny_hf.py
+	rm -rf examples/tiny-llama/finetuned
+	$(BIN)/dynatrain run examples/finetune-hf.yaml --scenario examples/finetune-scenario.yaml
 
 # The dev cluster's real node (tests/k8s/test_real_node.py): containerd, runc, CNI plugins, and
 # debootstrap and busybox-static for the images it runs (dynatrain/devcluster/kubelet.py).

@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint-dir", default="",
                         help="where periodic checkpoints go (default: the job's "
                              "spec.recovery.checkpoint.dir)")
+    parser.add_argument("--save-hf", default="", metavar="OUT",
+                        help="when the job completes, write the trained model to OUT as a "
+                             "Hugging Face checkpoint (default: the job's spec.output.hf)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): NCCL on a GPU when the job's "
                              "spec.resources.gpus >= 1, gloo on the CPU when 0; nccl: GPU or "
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
     metrics = Metrics(namespace=job.namespace, job=job.name, reasons=REASONS)
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
     worker = Worker(job, args.device, backend=backend, torch_device=device, metrics=metrics,
-                    checkpoint_dir=args.checkpoint_dir)
+                    checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf)
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()

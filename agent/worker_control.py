@@ -80,8 +80,10 @@ class WorkerControl:
 
     def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
                  metrics: Metrics | None = None, torch_device: torch.device | None = None,
-                 checkpoint_dir: str = ""):
+                 checkpoint_dir: str = "", save_hf: str = ""):
         self.job, self.device, self.backend = job, device, backend
+        self.save_hf = save_hf or job.save_hf
+        """Where the trained model goes as a Hugging Face checkpoint when the job completes."""
         self.torch_device = torch_device or torch.device("cpu")
         self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
                                           reasons=REASONS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -96,15 +97,46 @@ class Worker(WorkerControl):
             self.redundancy.snapshot(t.local_state())
         if t.step in self.dump_steps:
             _dump_state(t, f"step{t.step}")
+        if self.save_hf and t.step == self.job.training.steps:
+            self._save_hf()
         every = self.job.recovery.checkpoint_interval
         if every and self.checkpoint_dir and t.step % every == 0:
             g = t.g
             saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
                                     group=g.world, group_rank=g.rank,
                                     group_size=self.layout.world,
-                                    keep=self.job.recovery.checkpoint_keep)
+                                    keep=self.job.recovery.checkpoint_keep,
+                                    hf_source=self.job.training.init_hf)
             with self.lock:
                 self.checkpoint = (saved.path, t.step)
+
+    def _save_hf(self) -> None:
+        """The job's last step is trained: every rank writes its part of a DCP checkpoint
+        beside the output (on a cluster, the same shared volume), then the job's rank 0 turns
+        it into a Hugging Face checkpoint, one output shard in memory at a time, and removes
+        it. The job reports finished only after this, so the output is complete when the job
+        is. A failed export is said in the log and leaves no output; training is not lost (the
+        periodic checkpoints, if any, are untouched)."""
+        from dynatrain.trainer.hf_export import export_hf
+
+        t, g, out = self.trainer, self.trainer.g, Path(self.save_hf)
+        root = out.parent / f".{out.name}.checkpoint"
+        saved = save_checkpoint(t.local_state(), self.job.model, str(root), group=g.world,
+                                group_rank=g.rank, group_size=self.layout.world, keep=1,
+                                hf_source=self.job.training.init_hf)
+        if g.rank != 0:
+            return
+        try:
+            r = export_hf(saved.path, out, copy_from=self.job.training.init_hf,
+                          progress=lambda line: print(f"device {self.device}: {line}",
+                                                      flush=True))
+            print(f"device {self.device}: wrote the trained model (step {t.step}) to {out}: "
+                  f"{len(r.files)} safetensors file(s), {r.bytes / 2**20:.1f} MiB", flush=True)
+        except Exception as e:       # said, not raised: the job's training is complete
+            print(f"device {self.device}: exporting the trained model to {out} failed: {e}",
+                  flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
     def _release_previous(self) -> None:
         """Free the previous generation's snapshots once the running generation can be

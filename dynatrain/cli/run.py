@@ -69,6 +69,10 @@ def register(sub) -> None:
                    help="recover from a worker that dies the old way, for comparison: stop "
                         "every worker and start fresh ones from the newest checkpoint "
                         "(default: recover live from the in-memory copies)")
+    p.add_argument("--save-hf", metavar="OUT", default="",
+                   help="when the job completes, write the trained model to OUT as a Hugging "
+                        "Face checkpoint (config.json + safetensors; overrides "
+                        "spec.output.hf)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="the workers' backend: auto (default) is NCCL with one GPU per worker "
                         "when spec.resources.gpus is 1, gloo on the CPU when 0; nccl fails "
@@ -119,12 +123,19 @@ def run_job(args) -> int:
     if args.restart_on_failure and not job.recovery.checkpoint_interval:
         raise UsageError("--restart-on-failure needs checkpoints: set "
                          "spec.checkpoint.intervalSteps in the job")
+    save_hf = args.save_hf or job.save_hf
+    if save_hf and Path(save_hf).exists() and (not Path(save_hf).is_dir()
+                                                or any(Path(save_hf).iterdir())):
+        # Found now, not after the whole job has trained.
+        raise UsageError(f"the model's output {save_hf!r} (--save-hf / spec.output.hf) exists "
+                         "and is not an empty directory; choose a new one")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dynatrain-"))
     runner = LocalRunner(job, args.job, scenario, run_dir=run_dir, profile=profile,
                          policy=Policy(margin=args.margin, cooldown_s=args.cooldown),
                          metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd,
                          resume_from=resume or "",
-                         restart_on_failure=args.restart_on_failure, backend=backend)
+                         restart_on_failure=args.restart_on_failure, backend=backend,
+                         save_hf=save_hf)
     try:
         result = runner.run()
     except JobFailed as e:
@@ -133,7 +144,15 @@ def run_job(args) -> int:
     _print_summary(result)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(result.summary(), indent=2))
-    return 0 if result.samples_exactly_once else 1
+    exported = True
+    if save_hf:
+        exported = (Path(save_hf) / "config.json").is_file()
+        if exported:
+            print(f"  model: written to {save_hf} (Hugging Face format: transformers loads it)")
+        else:
+            print(f"  model: NOT written to {save_hf}: the rank-0 worker's log in {run_dir} "
+                  "says why")
+    return 0 if result.samples_exactly_once and exported else 1
 
 
 def _backend(requested: str, job) -> str:

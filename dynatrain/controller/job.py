@@ -132,6 +132,9 @@ class JobSpec:
     image: str = ""
     limits: Limits = Limits()
     recovery: RecoverySpec = RecoverySpec()
+    save_hf: str = ""
+    """``spec.output.hf``: where the workers write a Hugging Face checkpoint of the trained
+    model when the job completes; empty: none."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     def train_config(self, layout: Layout):
@@ -231,11 +234,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                               "spec.model.spec and spec.model.hf")
         elif "hf" in model_ref:
             hf_dir = r.str(model_ref, "hf", "spec.model") or ""
-            if hf_dir:
-                try:
-                    model = load_model(f"hf:{hf_dir}")
-                except ModelSpecError as e:
-                    r.problems.append(f"spec.model.hf: {e}")
+            model = _hf_model(r, hf_dir, model_ref.get("hfConfig")) if hf_dir else None
         elif "preset" in model_ref:
             preset = r.str(model_ref, "preset", "spec.model")
             if preset:
@@ -308,7 +307,8 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         r.problems.append(f"spec.training.lrSchedule.minLearningRate="
                           f"{training.lr_schedule.min_lr} exceeds spec.training.learningRate="
                           f"{training.learning_rate}")
-    if model is not None and data_dtype == "uint16" and model.vocab_size > 1 << 16:
+    if (model is not None and data_dtype == "uint16" and model.vocab_size > 1 << 16
+            and Path(data).suffix.lower() not in TEXT_SUFFIXES):   # text: the tokenizer decides
         r.problems.append(f"spec.training.data.dtype='uint16' cannot hold the ids of the "
                           f"model's {model.vocab_size:,}-token vocabulary; use 'uint32'")
     mbs = training.micro_batch_size
@@ -330,6 +330,9 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     secret = r.str(agent, "authSecret", "spec.agent")
     policy = r.str(spec, "preemptionPolicy", "spec", "Switch",
                    choices=PREEMPTION_POLICIES) or "Switch"
+
+    output = r.obj(spec, "output", "spec")
+    save_hf = r.str(output, "hf", "spec.output") or "" if output else ""
 
     rec = r.obj(spec, "recovery", "spec")
     mirror = rec.get("mirror", True)
@@ -376,7 +379,31 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    layout=layout, global_batch_size=gbs, training=training,
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
-                   recovery=recovery)
+                   recovery=recovery, save_hf=save_hf)
+
+
+def _hf_model(r: _Reader, hf_dir: str, inline) -> ModelSpec | None:
+    """``spec.model.hf``: the spec from ``spec.model.hfConfig`` when given (the operator cannot
+    read a directory on the workers' volume), else from the directory's ``config.json``."""
+    from dynatrain.vps.hf import model_from_hf, model_from_hf_config
+
+    try:
+        if inline is None:
+            return model_from_hf(hf_dir)
+        if not isinstance(inline, dict):
+            r.problems.append(f"spec.model.hfConfig must be a mapping (the checkpoint's "
+                              f"config.json), got {type(inline).__name__}")
+            return None
+        return model_from_hf_config(inline, name=Path(hf_dir).name or "hf",
+                                    source="spec.model.hfConfig")
+    except ModelSpecError as e:
+        where = "spec.model.hfConfig" if inline is not None else "spec.model.hf"
+        hint = ("" if inline is not None or Path(hf_dir).is_dir() else
+                " (on a cluster the operator cannot read the workers' volume: inline the "
+                "checkpoint's config.json as spec.model.hfConfig; `dynatrain hf-config DIR` "
+                "prints it)")
+        r.problems.append(f"{where}: {e}{hint}")
+        return None
 
 
 def _data(r: _Reader, tr: dict) -> tuple[str, str, str]:

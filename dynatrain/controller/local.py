@@ -108,8 +108,13 @@ class LocalRunner:
                  metrics_port: int = 0, prometheus_sd: str | None = None,
                  threads_per_worker: int = 0, timeouts: Timeouts | None = None,
                  resume_from: str = "", restart_on_failure: bool = False,
-                 worker_env: dict[int, dict[str, str]] | None = None, backend: str = "auto"):
+                 worker_env: dict[int, dict[str, str]] | None = None, backend: str = "auto",
+                 save_hf: str = ""):
         self.job, self.job_path, self.scenario = job, job_path, scenario
+        # Where the trained model goes (spec.output.hf unless overridden); absolute, so it
+        # means the same to every worker whatever its working directory.
+        target = save_hf or job.save_hf
+        self.save_hf = str(Path(target).resolve()) if target else ""
         self.run_dir, self.out = run_dir, out
         self.run_dir.mkdir(parents=True, exist_ok=True)
         timeouts = timeouts or job.recovery.timeouts_config()      # spec.recovery.timeouts
@@ -161,6 +166,14 @@ class LocalRunner:
     def _say(self, text: str) -> None:
         self.out(f"[{time.monotonic() - self.t0:6.1f}s] {text}")
 
+    def _prepare_data(self) -> None:
+        """A text corpus is tokenised here, once, before any worker starts: the workers (and
+        the ones that join later) then only map the cached token file. Token ids are checked
+        against the model's vocabulary here too, so a mismatch stops the job before it starts."""
+        from dynatrain.trainer.textdata import prepare_and_check
+
+        prepare_and_check(self.job.training, self.job.model.vocab_size, say=self._say)
+
     # -- workers -----------------------------------------------------------------------------
     def _spawn(self, count: int, *, wait: bool = True) -> list[int]:
         """Start ``count`` workers; each is handed to the controller once its agent is up
@@ -178,6 +191,8 @@ class LocalRunner:
                    "--ready-file", str(ready), "--threads", str(self.threads),
                    "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir,
                    "--grace-seconds", f"{self.grace_s:g}"]
+            if self.save_hf:
+                cmd += ["--save-hf", self.save_hf]
             env = {**os.environ, **self.worker_env.get(d, {})}
             cmd += ["--backend", self.backend]
             if self.backend == "nccl" or (self.backend == "auto" and self.job.gpus_per_worker):
@@ -379,6 +394,7 @@ class LocalRunner:
                   f"{job.global_batch_size}, {initial} workers (elastic {job.min_workers}.."
                   f"{job.max_workers}); run dir {self.run_dir}")
         self._say(f"metrics: controller http://127.0.0.1:{self.metrics_port}/metrics")
+        self._prepare_data()
         self._spawn(initial)
         self.events = list(self.scenario.events)
         last_print = 0.0

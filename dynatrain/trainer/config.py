@@ -49,7 +49,8 @@ class TrainConfig:
     """``synthetic``, the path of a flat token file (``data_dtype``), or a text file
     (``.jsonl``/``.txt``) that ``tokenizer`` turns into a cached token file once."""
     data_dtype: str = "uint16"
-    """``uint16`` or ``uint32`` (vocabularies over 65,536 tokens need uint32)."""
+    """``uint16`` or ``uint32`` (vocabularies over 65,536 tokens need uint32). For text data,
+    the cached token file's dtype: uint32 regardless where the tokenizer's vocabulary needs it."""
     tokenizer: str = ""
     """A Hugging Face tokenizer directory (``tokenizer.json``), for text data."""
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)
@@ -106,7 +107,9 @@ def config_problems(c: TrainConfig) -> list[str]:
         p.append(f"grad_clip={c.grad_clip} must be >= 0 (0: no clipping)")
     if c.data_dtype not in TOKEN_DTYPES:
         p.append(f"data_dtype={c.data_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
-    elif c.data_dtype == "uint16" and c.model.vocab_size > 1 << 16:
+    elif (c.data_dtype == "uint16" and c.model.vocab_size > 1 << 16
+          and Path(c.data).suffix.lower() not in TEXT_SUFFIXES):
+        # (text data: the cached token file's dtype follows the tokenizer's vocabulary)
         p.append(f"data_dtype='uint16' cannot hold the ids of {c.model.name}'s "
                  f"{c.model.vocab_size:,}-token vocabulary; use 'uint32'")
     if c.data != "synthetic":

@@ -10,8 +10,8 @@ that runs.
 Compute uses each tensor's TP/EP-local *working* weight: the parameter itself without ZeRO-3,
 or (ZeRO-3) one gathered from the flat shards at the start of the step and dropped after it.
 The step is GPipe: every micro-batch forward through the stage (activations to the next stage),
-then every backward in reverse (gradients to the previous stage), then gradient reduction and
-AdamW (see :mod:`.optim`).
+then every backward in reverse (gradients to the previous stage), then gradient reduction,
+clipping to the global norm, the scheduled learning rate and AdamW (see :mod:`.optim`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import torch.distributed as dist
 from dynatrain.vps.abandon import wait
 from dynatrain.vps.boxes import box_extents, box_numel
 from dynatrain.vps.layout import bind
-from dynatrain.vps.mapping import Piece, flat_shard_range, rank_shards, tp_box
+from dynatrain.vps.mapping import Piece, counts_once, flat_shard_range, rank_shards, tp_box
 
 from .config import TrainConfig
 from .data import micro_batches, token_source
 from .model import StageModel
-from .optim import (fill_missing_grads, gather_flat_shards, make_optimizer, reduce_gradients)
+from .optim import (clip_by_norm, fill_missing_grads, gather_flat_shards, make_optimizer,
+                    reduce_gradients, set_lr, square_sum)
 from .weights import TORCH_DTYPES, initial_tensor
 
 
@@ -74,6 +75,9 @@ class StepResult:
     samples: tuple[int, int] = (0, 0)
     """Global samples [begin, end) this rank read as a data reader (first stage, TP index 0);
     an empty range on other ranks, so every sample is counted once per step."""
+    grad_norm: float = 0.0
+    """Global L2 norm of the step's gradient before clipping (over the logical model, each
+    element once); above ``TrainConfig.grad_clip`` (when set) means the step was clipped."""
 
 
 class Trainer:
@@ -116,19 +120,30 @@ class Trainer:
         if state and state.rng.get("cpu") is not None:
             torch.set_rng_state(state.rng["cpu"])
 
-        self.source = token_source(config.data, self.model.vocab_size, config.seq_len,
-                                   config.seed)
+        self.source = token_source(config)
         vocab_box = self.boxes.get("embed.tokens") or self.boxes.get("head.weight")
         self.stage = StageModel(self.model, self.bound.stage_layers(stage),
                                 first=groups.first_stage, last=groups.last_stage, groups=groups,
                                 ep=lay.ep, vocab_start=vocab_box[0][0] if vocab_box else 0)
         self._dense = [n for n, s in self.specs.items() if s.expert_dim is None]
         self._expert = [n for n, s in self.specs.items() if s.expert_dim is not None]
+        # Tensors whose master gradient this rank adds to the global norm. The master
+        # gradient is sharded exactly like the AdamW moments, so the mapping's rule for
+        # exp_avg decides who stands for each shard.
+        self._norm_owned = [n for n, s in self.specs.items()
+                            if counts_once(self.bound, s, "exp_avg", groups.rank)]
 
     # -- allocation --------------------------------------------------------------------------
     def _allocate(self, state: LocalState | None) -> dict[tuple[str, str], torch.Tensor]:
-        """Local tensors for every (tensor, state) the mapping gives this rank."""
+        """Local tensors for every (tensor, state) the mapping gives this rank: from a
+        switch's ``state``, read piece by piece from the Hugging Face checkpoint
+        ``cfg.init_hf``, or seeded initial values."""
         out = {}
+        reader = None
+        if state is None and self.cfg.init_hf:
+            from .hf import HFReader, read_local  # only runs that start from one need it
+
+            reader = HFReader(self.cfg.init_hf)
         for key, rs in self.shards.items():
             if state is not None:
                 if key not in state.tensors:
@@ -139,6 +154,9 @@ class Trainer:
                     raise ValueError(f"{key[0]} ({key[1]}) on rank {self.g.rank}: got shape "
                                      f"{tuple(tensor.shape)}, the mapping says {rs.local_shape}")
                 out[key] = tensor
+            elif rs.state in ("param", "master") and reader is not None:
+                dtype = self.dtype if rs.state == "param" else torch.float32
+                out[key] = read_local(reader, rs, dtype).to(self.device)
             elif rs.state in ("param", "master"):
                 full = initial_tensor(self.model, rs.tensor, self.cfg.seed)
                 dtype = self.dtype if rs.state == "param" else torch.float32
@@ -147,6 +165,8 @@ class Trainer:
                     dst = local[_slices(piece.local)]
                     dst.copy_(full[_slices(piece.box)].reshape(dst.shape))
                 out[key] = local.to(self.device)
+        if reader is not None:
+            reader.close()                    # the files are needed at start-up only
         return out
 
     def _masters(self, local) -> dict[str, torch.Tensor]:
@@ -227,7 +247,7 @@ class Trainer:
 
         fill_missing_grads(self.working)
         reduce_gradients(self.working, self.specs, g)
-        self._optimizer_step()
+        square, norm = self._optimizer_step()
         self.step += 1
         samples = (self.position, self.position)
         if g.first_stage and g.tp_index == 0:
@@ -236,21 +256,28 @@ class Trainer:
                        self.position + (g.dp_index + 1) * per_rank)
         self.position += cfg.global_batch_size
 
-        # float64 so that the signal (small integers) and the loss share one all-reduce exactly
-        report = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # float64 so that the signal (small integers) and the loss share one all-reduce exactly.
+        # Without clipping the gradient norm's shares ride along (with it they were summed
+        # before the optimizer step), so reporting the norm costs no collective of its own.
+        report = torch.zeros(3, dtype=torch.float64, device=self.device)
         if g.last_stage and g.tp_index == 0:
             report[0] += torch.stack(losses).float().mean().double()
         report[1] = signal
+        if norm is None:
+            report[2] = square
         if before_report is not None:
             before_report()
         if g.world is not None:                               # every rank learns the loss
             wait(dist.all_reduce(report, group=g.world, async_op=True))
         loss = float(report[0]) / self.lay.dp
+        grad_norm = float(norm) if norm is not None else float(report[2]) ** 0.5
         seconds = time.perf_counter() - t0
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,
-                          float(report[1]), samples)
+                          float(report[1]), samples, grad_norm)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Clip, schedule and step. Returns this rank's share of the squared gradient norm,
+        and the global norm itself when clipping needed it (None otherwise)."""
         for n, master in self.masters.items():
             grad = self.working[n].grad
             if self.zero == 0:
@@ -258,6 +285,17 @@ class Trainer:
             else:
                 a, b = self.ranges[n]
                 master.grad = grad.reshape(-1)[a:b].float()
+        square = square_sum([self.masters[n].grad for n in self._norm_owned], self.device)
+        norm = None
+        if self.cfg.grad_clip > 0:
+            total = square.clone()
+            if self.g.world is not None:
+                wait(dist.all_reduce(total, group=self.g.world, async_op=True))
+            norm = total.sqrt()
+            clip_by_norm([m.grad for m in self.masters.values()], norm, self.cfg.grad_clip)
+        # The step count is part of the state every switch, recovery and checkpoint carries,
+        # so the schedule resumes on the same curve under any layout.
+        set_lr(self.optimizer, self.cfg.lr_at(self.step))
         with torch.no_grad():
             self.optimizer.step()
             if self.zero == 0 and not self.fp32:
@@ -274,6 +312,7 @@ class Trainer:
             master.grad = None
         if self.zero == 3:
             self.working = {}                                 # ZeRO-3 keeps only shards at rest
+        return square, norm
 
     # -- state out ---------------------------------------------------------------------------
     def local_state(self) -> LocalState:

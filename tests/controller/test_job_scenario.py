@@ -38,6 +38,23 @@ def test_examples_load():
     (("spec", "training", "seqLen"), 4096, "spec.training.seqLen"),
     (("spec", "agent", "port"), 70000, "spec.agent.port"),
     (("spec", "preemptionPolicy"), "Panic", "spec.preemptionPolicy"),
+    (("spec", "training", "precision"), "fp8", "spec.training.precision"),
+    (("spec", "training", "gradClip"), -1.0, "spec.training.gradClip"),
+    (("spec", "training", "lrSchedule"), {"decay": "step"}, "spec.training.lrSchedule.decay"),
+    (("spec", "training", "lrSchedule"), {"warmupSteps": 5, "decaySteps": 5},
+     "spec.training.lrSchedule"),
+    (("spec", "training", "lrSchedule"), {"minLearningRate": 1.0},
+     "spec.training.lrSchedule.minLearningRate"),
+    (("spec", "training", "lrSchedule"), {"warmup": 5}, "spec.training.lrSchedule: unknown"),
+    (("spec", "training", "data"), {"path": "corpus.jsonl"}, "spec.training.data.tokenizer"),
+    (("spec", "training", "data"), {"path": "t.bin", "dtype": "int8"},
+     "spec.training.data.dtype"),
+    (("spec", "training", "data"), 7, "spec.training.data"),
+    (("spec", "model"), {"hf": "/nonexistent/llama"}, "spec.model.hf"),
+    (("spec", "model"), {"preset": "gpt-tiny", "hf": "/m"}, "spec.model"),
+    (("spec", "model"), {"hf": "/m", "hfConfig": {"architectures": ["GPT2LMHeadModel"]}},
+     "spec.model.hfConfig"),
+    (("spec", "output", "hf"), "", "spec.output.hf"),
     (("kind",), "Job", "kind"),
 ])
 def test_bad_manifest_names_field(path, value, field):
@@ -48,7 +65,32 @@ def test_bad_manifest_names_field(path, value, field):
     node[path[-1]] = value
     with pytest.raises(JobError) as e:
         job_from_manifest(doc)
-    assert field in str(e.value) and str(value) in str(e.value)
+    assert field in str(e.value), e.value
+    # The value is named too; for a mapping, the wrong entry (by its value, or by its key
+    # when the key is what is wrong).
+    entries = value.items() if isinstance(value, dict) else [("", value)]
+    assert any(str(v) in str(e.value) or k and k in str(e.value) for k, v in entries), e.value
+
+
+def test_training_essentials_and_data_reach_the_trainer_config(tmp_path):
+    doc = _quickstart()
+    doc["spec"]["training"].update(
+        precision="bf16", gradClip=1.0, data={"path": str(tmp_path / "tokens.bin"),
+                                              "dtype": "uint32"},
+        lrSchedule={"warmupSteps": 4, "decay": "cosine", "minLearningRate": 1e-5})
+    doc["spec"]["output"] = {"hf": str(tmp_path / "out")}
+    (tmp_path / "tokens.bin").write_bytes(bytes(4 * 200))
+    job = job_from_manifest(doc)
+    assert job.model.dtype == "bfloat16" and job.save_hf == str(tmp_path / "out")
+    from dynatrain.vps.layout import parse_layout
+
+    cfg = job.train_config(parse_layout("dp=2"))
+    assert (cfg.grad_clip, cfg.data_dtype, cfg.total_steps) == (1.0, "uint32", 80)
+    assert cfg.lr_at(0) == pytest.approx(3e-4 / 4)                    # warmup
+    assert cfg.lr_at(3) == pytest.approx(3e-4)                        # peak
+    assert cfg.lr_at(79) == pytest.approx(1e-5, rel=0.05)             # the floor at the end
+    doc["spec"]["training"]["data"] = str(tmp_path / "tokens.bin")    # a plain path: uint16
+    assert job_from_manifest(doc).training.data_dtype == "uint16"
 
 
 def test_every_problem_reported_at_once():

@@ -208,7 +208,27 @@ INVALID = [
     Case("timeouts-negative", setting("spec.recovery", {"timeouts": {"statusSeconds": -1}}),
          "spec.recovery.timeouts.statusSeconds", True),
     Case("name-not-dns-label", setting("metadata.name", "7b.job"), "metadata.name", False),
+    Case("model-hf-and-preset", setting("spec.model.hf", "/checkpoints/llama"), "spec.model",
+         True),
+    Case("hf-config-without-hf", setting("spec.model.hfConfig", {"architectures": []}),
+         "spec.model", False),
+    Case("precision-unknown", setting("spec.training.precision", "fp8"),
+         "spec.training.precision", True),
+    Case("grad-clip-negative", setting("spec.training.gradClip", -1),
+         "spec.training.gradClip", True),
+    Case("lr-decay-unknown", setting("spec.training.lrSchedule", {"decay": "step"}),
+         "spec.training.lrSchedule.decay", True),
+    Case("output-hf-empty", setting("spec.output", {"hf": ""}), "spec.output.hf", True),
 ]
+
+# A Hugging Face model as a cluster job names it: the directory on the workers' volume, and
+# its config inline for the operator (what `dynatrain hf-config` prints).
+HF_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1001,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "hidden_act": "silu",
+    "tie_word_embeddings": False, "dtype": "bfloat16"}
 
 # Variants of the base that are valid, each for a reason a too-strict rule could miss.
 VALID = {
@@ -242,6 +262,16 @@ VALID = {
     "agent-port-1024": setting("spec.agent.port", 1024),
     "checkpoint-path-lookalike": setting("spec.checkpoint.path", "/etcetera/proc/"),
     "checkpoint-path-var-runner": setting("spec.checkpoint.path", "/var/runner"),
+    # A Hugging Face model with its config inline, trained on text with a schedule,
+    # clipping and bf16, and written back out when done.
+    "hf-model-real-workload": lambda d: (
+        d["spec"].update(model={"hf": "/checkpoints/models/llama", "hfConfig": HF_LLAMA_CONFIG},
+                         output={"hf": "/checkpoints/out/llama-ft"}),
+        d["spec"]["training"].update(
+            seqLen=128, precision="bf16", gradClip=1.0,
+            lrSchedule={"warmupSteps": 100, "decay": "cosine", "minLearningRate": 3e-5},
+            data={"path": "/checkpoints/data/corpus.jsonl", "dtype": "uint32",
+                  "tokenizer": "/checkpoints/models/llama"})),
     # A shorter watchdog, the rest of the hierarchy from the defaults.
     "timeouts-watchdog-only": setting("spec.recovery", {"timeouts": {"watchdogSeconds": 5}}),
 }
