@@ -400,6 +400,7 @@ def running_job(name: str) -> dict:
     """The base job with every optional immutable field set (recovery too)."""
     doc = base_job(name)
     doc["spec"]["recovery"] = {"mirror": True, "resumeFrom": "/checkpoints/step-100"}
+    doc["spec"]["output"] = {"hf": "/checkpoints/out/gpt"}
     return doc
 
 
@@ -451,6 +452,16 @@ IMMUTABLE = [
     Edit("recovery-resume-remove", "spec.recovery", {"recovery": {"resumeFrom": None}}),
     Edit("recovery-add", "spec.recovery", {"recovery": {"mirror": False}}, created_without=True),
     Edit("recovery-remove", "spec.recovery", {"recovery": None}),
+    Edit("model-to-hf", "spec.model", {"model": {"preset": None, "hf": "/checkpoints/llama",
+                                                 "hfConfig": HF_LLAMA_CONFIG}}),
+    # data is free-form (a string or a mapping): the rule compares it all the same.
+    Edit("training-data-mapping", "spec.training", {"training": {"data": {
+        "path": "/checkpoints/tokens.bin", "dtype": "uint32"}}}),
+    Edit("training-schedule", "spec.training", {"training": {"lrSchedule": {"warmupSteps": 5}}}),
+    Edit("output-change", "spec.output", {"output": {"hf": "/checkpoints/out/other"}}),
+    Edit("output-add", "spec.output", {"output": {"hf": "/checkpoints/out/gpt"}},
+         created_without=True),
+    Edit("output-remove", "spec.output", {"output": None}),
     Edit("agent-port", "spec.agent", {"agent": {"port": 50052}}),
     Edit("agent-secret", "spec.agent", {"agent": {"authSecret": "other-token"}}),
     Edit("agent-add", "spec.agent", {"agent": {"port": 50051}}, created_without=True),
