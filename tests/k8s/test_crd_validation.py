@@ -226,7 +226,7 @@ INVALID = [
 HF_LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1001,
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "hidden_act": "silu",
     "tie_word_embeddings": False, "dtype": "bfloat16"}
 
