@@ -702,7 +702,11 @@ class JobRuntime:
             return self.data_audit
         p = self.controller.progress
         known = set(p.reads) | set(p.inferred)
-        since = min(known) - 1 if known else p.step
+        # An adopted job's earliest known step can be partial: each worker reports a window
+        # of its recent reads, and the windows need not start at the same step. Audit from
+        # the step after it, unless the records go back to the job's first step.
+        first = min(known) if known else p.step + 1
+        since = first - 1 if first <= 1 else first
         problems = p.audit(self.job.global_batch_size, p.step, since=since)
         self.data_audit = {"auditedFrom": since + 1, "auditedStep": p.step,
                            "exactlyOnce": not problems, "retrainedSteps": p.retrained,
