@@ -182,6 +182,9 @@ class JobRuntime:
         self.objects_checked = float("-inf")
         self.created = time.monotonic()
         self.adopted = False
+        self.took_over = False
+        """The job was already training when this operator adopted it (a restart, a new
+        leader): its records start with the workers' recent windows, not the first step."""
         self.over = False
         """Succeeded or Failed: nothing is left to do but to keep its pods deleted."""
         self.noticed: set[int] = set()
@@ -396,6 +399,8 @@ class JobRuntime:
                 return
             self.adopted = True
             self.log(f"job {self.name}: {c.adopt()}")
+            # A generation already running: this operator took the job over mid-flight.
+            self.took_over = c.generation_running > 0
         record = c.tick()
         if record is not None:
             self._switched(record, workers)
@@ -702,11 +707,11 @@ class JobRuntime:
             return self.data_audit
         p = self.controller.progress
         known = set(p.reads) | set(p.inferred)
-        # An adopted job's earliest known step can be partial: each worker reports a window
-        # of its recent reads, and the windows need not start at the same step. Audit from
-        # the step after it, unless the records go back to the job's first step.
+        # A job taken over mid-flight knows only each worker's window of recent reads, and
+        # the windows need not start at the same step, so its earliest known step can be
+        # partial: audit from the step after it. A job this operator started has every record.
         first = min(known) if known else p.step + 1
-        since = first - 1 if first <= 1 else first
+        since = first if self.took_over else first - 1
         problems = p.audit(self.job.global_batch_size, p.step, since=since)
         self.data_audit = {"auditedFrom": since + 1, "auditedStep": p.step,
                            "exactlyOnce": not problems, "retrainedSteps": p.retrained,
