@@ -1,8 +1,14 @@
 """Plan speed: Qwen3-235B-A22B from 1024 devices (tp=4,pp=8,dp=32,ep=32,zero=1) to 896
 survivors (tp=4,pp=7,dp=32,ep=32,zero=1).
 
-Targets on a 2-core machine: the full plan (every rank's moves) <= 3 s; one rank's own part
-<= 0.2 s. Each figure is the best of --repeat runs in this process (the machine is shared, so
+Targets on a 2-core machine: the full plan (every rank's moves) <= 1 s, and one rank's own part
+<= 1 s as well. The planner chooses every source in one assignment over all devices' port
+loads (so that the modelled pause, not just each replica class's bytes, is balanced:
+vps/planner.py, vps/timemodel.py), so a rank cannot plan its part without the others' loads:
+its part is the full plan filtered, and costs what the full plan costs. (Before that change a
+rank planned its own part alone in about 0.2 s; what it buys back is one planning pass per
+switch, run in the background while training continues, so the pause does not see it.) Each
+figure is the best of --repeat runs in this process (the machine is shared, so
 the minimum is the least noisy estimate); the per-rank figure is the slowest of several ranks
 (first, middle and last of the new layout, and a leaver). Run:
 
@@ -25,8 +31,8 @@ from dynatrain.vps.stats import plan_stats
 MODEL = "qwen3-235b-a22b"
 OLD = "tp=4,pp=8,dp=32,ep=32,zero=1"
 NEW = "tp=4,pp=7,dp=32,ep=32,zero=1"
-FULL_TARGET_S = 3.0
-RANK_TARGET_S = 0.2
+FULL_TARGET_S = 1.0
+RANK_TARGET_S = 1.0
 
 
 def best_of(repeat: int, fn):
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
               f"{stats.transfer_records:,} records)")
         print(f"  one rank's own part, slowest of {len(probes)}         {worst_rank:7.3f} s   "
               f"(target <= {RANK_TARGET_S} s; devices {', '.join(map(str, probes))}; "
-              "each equals the full plan's part)")
+              "each is the full plan, filtered)")
     return 0 if full_s <= FULL_TARGET_S and worst_rank <= RANK_TARGET_S else 1
 
 

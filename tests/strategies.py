@@ -88,3 +88,77 @@ def recoveries(draw, presets: tuple[str, ...] = ("gpt-tiny", "moe-tiny"), max_wo
     live = sorted((set(old.device_of) | set(devices)) - set(dead))
     proxies = {d: draw(st.sampled_from(live)) for d in dead}
     return model, old, new.with_devices(devices), frozenset(dead), proxies
+
+
+#: Published shapes, dense and MoE, with their layer count cut (pipeline stages still vary;
+#: the per-layer shapes that decide every cut are the real ones). Planning is metadata only.
+HELD_OUT_PRESETS = ("llama-7b", "llama-70b", "mixtral-8x7b", "qwen3-235b-a22b")
+
+
+@st.composite
+def big_layouts(draw, model: ModelSpec, lo: int, hi: int, max_dp: int = 64) -> Layout:
+    """A realistic layout (tp in 1..8, pp in 1..8, ZeRO 0/1, EP for MoE) of ``lo..hi`` ranks."""
+    for _ in range(100):
+        tp = draw(st.sampled_from([1, 2, 4, 8]))
+        pp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+        dp = draw(st.integers(1, max_dp))
+        if not lo <= tp * pp * dp <= hi:
+            continue
+        ep = 1
+        if model.is_moe:
+            ep = draw(st.sampled_from([e for e in (1, 2, 4, 8, 16, 32)
+                                       if dp % e == 0 and model.num_experts % e == 0]))
+        layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=draw(st.sampled_from([0, 1])))
+        if not layout_problems(layout, model):
+            return layout
+    return Layout(dp=lo, tp=1, pp=1)
+
+
+@st.composite
+def held_out_transitions(draw, num_layers: int = 16, max_dp: int = 64,
+                         kinds: tuple[str, ...] = ("grow", "shrink", "lost")):
+    """(kind, model, old, new, dead, proxies) on 16-512 devices, nodes of 8.
+
+    ``num_layers`` cuts the presets' depth and ``max_dp`` the data-parallel degree: both only
+    scale the number of records (ZeRO flat ranges of many ranks against a new cut make the
+    most), which the element-by-element verifier pays for.
+
+    ``grow``: the new layout has more ranks (joiners after the old devices). ``shrink``: fewer.
+    ``lost``: one node or a few devices die; the new layout runs on survivors, and every dead
+    device has a buddy on the next node holding its mirror (a proxy), as the agents keep them.
+    The new layout's devices are placed as ``dynatrain plan`` places them.
+    """
+    from dataclasses import replace
+
+    from dynatrain.vps.placement import place_devices
+
+    model = replace(PRESETS[draw(st.sampled_from(HELD_OUT_PRESETS))], num_layers=num_layers)
+    kind = draw(st.sampled_from(kinds))
+    if kind == "grow":
+        old = draw(big_layouts(model, 16, 256, max_dp))
+        new = draw(big_layouts(model, old.world + 1, 512, max_dp))
+    else:
+        old = draw(big_layouts(model, 24 if kind == "lost" else 17, 512, max_dp))
+        new = draw(big_layouts(model, 16, old.world - 1, max_dp))
+    old = old.with_devices(range(old.world))
+    dead: frozenset[int] = frozenset()
+    proxies: dict[int, int] = {}
+    pool = list(range(max(old.world, new.world)))
+    if kind == "lost":
+        if draw(st.booleans()):
+            node = draw(st.integers(0, old.world // 8 - 1))
+            dead = frozenset(range(8 * node, 8 * node + 8))
+        else:
+            dead = frozenset(draw(st.lists(st.integers(0, old.world - 1), min_size=1,
+                                           max_size=4, unique=True)))
+        for d in sorted(dead):
+            proxies[d] = next(p for p in ((d + 8 * i) % old.world for i in range(1, old.world))
+                              if p not in dead)
+        pool = [d for d in range(old.world) if d not in dead]
+        if new.world > len(pool):
+            new = draw(big_layouts(model, 16, len(pool), max_dp))
+        pool = pool[: new.world]
+    else:
+        pool = pool[: new.world]
+    new = place_devices(model, old, new, pool)
+    return kind, model, old, new, dead, proxies

@@ -10,7 +10,8 @@ import pytest
 DYNATRAIN = [sys.executable, "-m", "dynatrain"]
 PLAN_KEYS = {"model", "params", "state_bytes", "ranks_from", "ranks_to", "bytes_local",
              "bytes_network", "max_rank_send_bytes", "max_rank_recv_bytes", "max_rank_bytes",
-             "lower_bound_max_rank_bytes", "transfers", "plan_seconds"}
+             "lower_bound_max_rank_bytes", "transfers", "plan_seconds", "modelled_seconds",
+             "lower_bound_seconds"}
 
 
 def run(*args):
@@ -33,11 +34,40 @@ def test_plan_json_has_the_documented_fields():
     assert data["max_rank_bytes"] == data["state_bytes"] == data["lower_bound_max_rank_bytes"]
 
 
+def test_plan_json_reports_the_modelled_pause_on_the_links_given():
+    args = ["plan", "--model", "gpt-tiny", "--from", "dp=2", "--to", "dp=4", "--json",
+            "--gpus-per-node", "2"]
+    fast = json.loads(run(*args).stdout)
+    slow = json.loads(run(*args, "--inter-gbps", "100", "--intra-gbps", "900").stdout)
+    assert 0 < fast["lower_bound_seconds"] <= fast["modelled_seconds"]
+    assert slow["lower_bound_seconds"] == pytest.approx(4 * fast["lower_bound_seconds"])
+    assert slow["inter_gbps"] == 100 and fast["intra_gbps"] == 3600
+
+
+def test_estimate_alone_runs_the_paper_cases():
+    out = run("plan", "--estimate", "--json")
+    assert out.returncode == 0, out.stderr
+    cases = json.loads(out.stdout)["cases"]
+    assert {c["model"] for c in cases} == {"llama-70b", "qwen3-235b-a22b"}
+    assert any(c["ranks_from"] == 1024 and c["ranks_to"] == 896 for c in cases)
+    for c in cases:
+        assert 0 < c["lower_bound_seconds"] <= c["modelled_seconds"] <= c["published_seconds"]
+    text = run("plan", "--estimate").stdout
+    assert "4.36 s" in text and "published" in text
+
+
+def test_estimate_for_one_switch():
+    out = run("plan", "--estimate", "--model", "gpt-tiny", "--from", "dp=2", "--to", "tp=2")
+    assert out.returncode == 0, out.stderr
+    assert "this switch" in out.stdout and "modelled" in out.stdout
+
+
 def test_plan_table_and_verify():
     out = run("plan", "--model", "moe-tiny", "--from", "dp=4,ep=4,zero=1",
               "--to", "tp=2,dp=2,ep=2", "--verify")
     assert out.returncode == 0, out.stderr
     assert "busiest device" in out.stdout and "lower bound" in out.stdout
+    assert "modelled pause" in out.stdout and "modelled / bound" in out.stdout
     assert "verified" in out.stdout
 
 
@@ -61,6 +91,11 @@ def test_to_devices_after_losing_a_device():
       "--dead-devices", "0"], "no surviving copy"),
     (["--model", "gpt-tiny", "--from", "dp=2", "--to", "dp=2", "--gpus-per-node", "0"],
      "--gpus-per-node=0 must be >= 1"),
+    (["--model", "gpt-tiny", "--from", "dp=2", "--to", "dp=2", "--inter-gbps", "0"],
+     "--inter-gbps=0 must be a positive bandwidth"),
+    (["--model", "gpt-tiny", "--from", "dp=2", "--to", "dp=2", "--intra-gbps", "-5"],
+     "--intra-gbps=-5 must be a positive bandwidth"),
+    (["--model", "gpt-tiny", "--from", "dp=2"], "--to missing"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     out = run("plan", *args)

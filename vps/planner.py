@@ -13,11 +13,15 @@ of its records stands for every tensor in it.
 
 How sources are chosen: a destination region whose data some of its receivers already hold is
 copied locally on those. The other receivers R of that region, and the holders H of the data,
-define a **replica class** (H, R). Within a class, regions are taken largest first and each
-(region, receiver) goes to the least-loaded holder on the receiver's node, or the least-loaded
-holder anywhere if none shares the node (ties rotate by class so that remainders spread). A
-class's decisions depend only on its own regions, which is what lets one rank plan just its own
-part (:func:`plan_for_device`) and get exactly the records the full plan has for it.
+define a **replica class** (H, R). Every (region, receiver) of every class gets its holder in
+one assignment over all classes, against shared per-device loads on four ports (intra-node and
+inter-node, send and receive: :mod:`.timemodel`), so that the modelled pause approaches its
+lower bound and the busiest device's bytes approach theirs (:func:`_assign_sources`): a busier
+NVLink sender can still finish before an idle remote one, and a device's load in one class is
+seen by every other. Large regions are cut along their first dim so that the work can be
+spread over holders. Because the choice for one device depends on every device's load,
+:func:`plan_for_device` plans in full and keeps that device's records: exactly the full plan's,
+since every rank computes the same deterministic assignment from the same inputs.
 
 How failures are survived: a **dead** device's state is gone unless a live device (its
 **proxy**, e.g. the buddy that keeps a mirror of it in host memory) holds a copy of its old
@@ -30,6 +34,8 @@ Pure metadata: no torch import.
 
 from __future__ import annotations
 
+import gc
+import heapq
 import time
 import zlib
 from collections.abc import Iterable, Mapping
@@ -40,6 +46,7 @@ from .boxes import Box, box_numel, intersect
 from .layout import BoundLayout, Layout, LayoutError, bind
 from .mapping import Piece, model_states, shard_pattern, state_itemsize
 from .model import ModelSpec, TensorSpec
+from .timemodel import Links, lower_bound_bytes, lower_bound_ratio, lower_bound_seconds
 
 
 class PlanError(ValueError):
@@ -104,6 +111,11 @@ class Plan:
     """Network bytes each holder set H must send in total (input to the lower bound)."""
     need: dict[int, int] = field(default_factory=dict)
     """Network bytes each device must receive: its new state that it does not hold."""
+    demand: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
+    """Bytes each receiver needs from the data held exactly by each holder set (the input to
+    both lower bounds, :mod:`.timemodel`)."""
+    links: Links = field(default_factory=Links)
+    """The link bandwidths the sources were chosen for."""
     plan_seconds: float = 0.0
 
     def group_size(self, move: Move) -> int:
@@ -220,19 +232,36 @@ def _senders(devices: tuple[int, ...], dead: frozenset[int], proxies: Mapping[in
 
 def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: int = 8,
                 dead: Iterable[int] = (), proxies: Mapping[int, int] | None = None,
-                only_device: int | None = None) -> Plan:
+                links: Links | None = None, only_device: int | None = None) -> Plan:
     """Plan the switch of ``model`` from ``old`` to ``new`` (layouts carry their devices).
 
     ``dead`` devices are not used as sources (their state is lost). ``proxies[d] = p`` says
     that live device ``p`` holds a mirror of dead device ``d``'s old local tensors (exactly its
     old pieces): ``p`` then serves ``d``'s data, and the moves it reads from the mirror have
-    ``owner == d``. With ``only_device``, only the records that involve that device are produced
-    (its own part of the plan): they are exactly the full plan's records for it, at a fraction
-    of the cost.
+    ``owner == d``. ``links`` are the intra- and inter-node bandwidths the sources are chosen
+    for (default: H100 NVLink and one 400 Gb/s NIC per GPU, :mod:`.timemodel`). With
+    ``only_device``, only the records that involve that device are kept (its own part of the
+    plan): exactly the full plan's records for it, in the same order. Sources are chosen by one
+    assignment over all devices' loads, so that part costs as much as the full plan.
     """
     t0 = time.perf_counter()
     if gpus_per_node < 1:
         raise PlanError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    # Planning allocates hundreds of thousands of small tuples and no reference cycles: the
+    # cyclic collector's passes over them would double the time, so it waits until we are done.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        plan = _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device)
+    finally:
+        if paused:
+            gc.enable()
+    plan.plan_seconds = time.perf_counter() - t0
+    return plan
+
+
+def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> Plan:
+    links = links or Links()
     ob, nb = bind(old, model), bind(new, model)
     dead_set = frozenset(dead)
     proxies = dict(proxies or {})
@@ -241,23 +270,18 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: in
     states = model_states(model)
     copies: list[Move] = []
     classes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Item]] = {}
-    d = only_device
-    # The old devices whose state ``d`` can read: its own (if alive) and its mirrors.
-    held = None if d is None else (
-        {d} - dead_set) | {dead_d for dead_d, p in proxies.items() if p == d}
 
     for gi, g in enumerate(groups):
-        if d is not None and not _group_touches(g, ob, nb, d, held):
-            continue
         n_tensors = len(g.names)
         for si, state in enumerate(states):
             itemsize = state_itemsize(g.tensor, state)
             olds = _placed(ob, g.tensor, state, g.old_stages)
             news = _placed(nb, g.tensor, state, g.new_stages)
-            # Per old shard, on first use (one device's part touches few): its holders, whose
-            # tensor each reads, and holder -> owner.
+            # Per old shard, on first use: its holders, whose tensor each reads, holder -> owner.
             senders: dict[int, tuple] = {}
-            for region, op, oi, np_, ni in _region_pairs(olds, news, d, held):
+            flat_old = [(p, i) for i, s in enumerate(olds) for p in s.pieces]
+            flat_new = [(p, i) for i, s in enumerate(news) for p in s.pieces]
+            for region, op, oi, np_, ni in _overlaps(flat_old, flat_new):
                 if oi not in senders:
                     devs = olds[oi].devices
                     hs, os_ = _senders(devs, dead_set, proxies) if dead_set else (devs, devs)
@@ -268,8 +292,7 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: in
                 for r in news[ni].devices:
                     owner = owner_of.get(r)
                     if owner is not None:
-                        if d is None or r == d:
-                            copies.append(Move(gi, state, r, r, region, op, np_, nbytes, owner))
+                        copies.append(Move(gi, state, r, r, region, op, np_, nbytes, owner))
                     else:
                         remote.append(r)
                 if not remote:
@@ -282,90 +305,328 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: in
                 classes.setdefault((holders, tuple(remote)), []).append(
                     _Item(nbytes * n_tensors, gi, si, region, op, np_, nbytes, owners))
 
-    transfers, class_loads, need = _assign_sources(classes, states, gpus_per_node, d)
-    plan = Plan(model, ob, nb, groups, copies, transfers, gpus_per_node, class_loads, need)
-    plan.plan_seconds = time.perf_counter() - t0
-    return plan
+    transfers, demand = _assign_sources(classes, states, gpus_per_node, links)
+    need: dict[int, int] = {}
+    class_loads: dict[tuple[int, ...], int] = {}
+    for holders, per_r in demand.items():
+        class_loads[holders] = sum(per_r.values())
+        for r, b in per_r.items():
+            need[r] = need.get(r, 0) + b
+    if only_device is not None:
+        d = only_device
+        copies = [m for m in copies if m.dst == d]
+        transfers = [m for m in transfers if m.src == d or m.dst == d]
+    return Plan(model, ob, nb, groups, copies, transfers, gpus_per_node, class_loads, need,
+                demand=demand, links=links)
 
 
 def plan_for_device(model: ModelSpec, old: Layout, new: Layout, device: int, **kw) -> Plan:
     """One device's own part of the plan: the moves it sends, receives or copies (``kw`` as
-    for :func:`plan_switch`, e.g. ``dead`` and ``proxies``)."""
+    for :func:`plan_switch`, e.g. ``dead`` and ``proxies``). Every device's loads decide every
+    source (:func:`_assign_sources`), so this plans in full and keeps the device's records."""
     return plan_switch(model, old, new, only_device=device, **kw)
 
 
-def _group_touches(g: TensorGroup, ob: BoundLayout, nb: BoundLayout, device: int,
-                   held: set[int]) -> bool:
-    """Whether ``device`` can serve the group (it or a device it mirrors holds it under the old
-    layout) or receives it under the new."""
-    for owner in held:
-        rank = ob.rank_of_device.get(owner)
-        if rank is not None and ob.coords(rank)[0] in g.old_stages:
-            return True
-    rank = nb.rank_of_device.get(device)
-    return rank is not None and nb.coords(rank)[0] in g.new_stages
+#: Regions larger than 1/CHUNKS of the busiest device's bound (in bytes, or in bytes the
+#: inter-node link carries in the time bound) are cut along their first splittable dim, so
+#: that no single choice can unbalance the devices by more than that fraction.
+CHUNKS = 48
+MAX_CUTS = 64
+#: A choice among more holders than this looks at those on the receiver's node and a window
+#: of this many others (rotating from one choice to the next); the local search sees all.
+WINDOW = 16
+#: A holder on the receiver's node is chosen while the costs it leaves stay within this
+#: multiple of the bounds (times the joint bound where both cannot be met).
+NEAR_OK = 1.0
 
 
-def _region_pairs(olds: list[_Placed], news: list[_Placed], device: int | None,
-                  held: set[int] | None = None):
-    """Overlapping (old piece, new piece) pairs; with ``device``, only pairs it is part of.
+def _split(it: _Item, chunk: float) -> list[_Item]:
+    """``it`` cut into pieces of at most about ``chunk`` bytes along its first dim of extent
+    >= 2 (rows first: a run of whole rows stays contiguous)."""
+    pieces = min(MAX_CUTS, -(-it.total // max(1, int(chunk))))
+    box = it.box
+    for dim, (lo, hi) in enumerate(box):
+        if hi - lo >= 2:
+            break
+    else:
+        return [it]
+    pieces = min(pieces, hi - lo)
+    if pieces <= 1:
+        return [it]
+    n_tensors = it.total // it.nbytes
+    per_elem = it.nbytes // box_numel(box)
+    out = []
+    for j in range(pieces):
+        a, b = lo + (hi - lo) * j // pieces, lo + (hi - lo) * (j + 1) // pieces
+        sub = box[:dim] + ((a, b),) + box[dim + 1:]
+        nbytes = box_numel(sub) * per_elem
+        out.append(it._replace(total=nbytes * n_tensors, box=sub, nbytes=nbytes))
+    return out
 
-    ``held`` are the old devices whose state ``device`` serves (itself if alive, and those it
-    mirrors): it is a holder of an old shard exactly when one of them holds the shard.
+
+def _assign_sources(classes, states, gpus_per_node: int, links: Links):
+    """Choose a holder for every (region, receiver) of every replica class, over all classes at
+    once, to minimise the modelled makespan while keeping the busiest device's bytes near
+    their bound.
+
+    Each device's cost is ``max(time / T_lb, bytes / B_lb)``: its modelled time (four ports,
+    :mod:`.timemodel`) and its max(sent, received) bytes, each over its lower bound, so 1.0 is
+    optimal on both counts; where the two bounds cannot both be met (a holder's NVLink
+    neighbours need more than its byte share), the larger ratio is what is minimised.
+
+    Forced choices (one holder) are placed first. Then the (region, receiver) pairs that have
+    a holder on the receiver's node, largest first: such a holder takes the pair while the
+    costs it leaves stay within the bounds (NVLink is the cheap way to deliver it), else the
+    pair goes to the holder that minimises the larger cost of sender and receiver after the
+    move (then the sender's send-side cost; ties rotate per class). Then the pairs with no
+    holder on the receiver's node, largest first, by the same rule. Regions larger than
+    ``1/CHUNKS`` of the byte bound are cut into chunks first so that the choices can balance.
+    A local search (:func:`_improve`) then moves single pairs off the costliest device.
+    Everything is a deterministic function of the inputs.
     """
-    def flat(placed, keep):
-        return [(p, i) for i, s in enumerate(placed) if keep(s) for p in s.pieces]
-
-    if device is None:
-        yield from _overlaps(flat(olds, lambda s: True), flat(news, lambda s: True))
-        return
-
-    def mine_old(s: _Placed) -> bool:
-        return not held.isdisjoint(s.devices)
-
-    # Pairs where the device is a holder, then pairs where it is a receiver (and not a holder).
-    yield from _overlaps(flat(olds, mine_old), flat(news, lambda s: True))
-    yield from _overlaps(flat(olds, lambda s: not mine_old(s)),
-                         flat(news, lambda s: device in s.devices))
-
-
-def _assign_sources(classes, states, gpus_per_node: int, device: int | None):
-    """Choose a holder for every (region, receiver) of every replica class."""
-    transfers: list[Move] = []
-    class_loads: dict[tuple[int, ...], int] = {}
-    need: dict[int, int] = {}
+    demand: dict[tuple[int, ...], dict[int, int]] = {}
     for (holders, receivers), items in classes.items():
-        if device is not None and device not in holders and device not in receivers:
-            continue  # an incomplete class seen from another device's pairs
-        items.sort(key=lambda it: (-it.total, it.group, it.state_index, it.box))
+        per = sum(it.total for it in items)
+        dh = demand.setdefault(holders, {})
+        for r in receivers:
+            dh[r] = dh.get(r, 0) + per
+    if not classes:
+        return [], demand
+    b_lb = lower_bound_bytes(demand)
+    t_lb = lower_bound_seconds(demand, gpus_per_node, links)
+    wi, we, wb = 1 / (links.intra * t_lb), 1 / (links.inter * t_lb), 1 / b_lb
+    chunk = b_lb / CHUNKS
+    # Where the two bounds provably conflict, a holder on the receiver's node may go as far
+    # as the joint bound before the pair looks elsewhere.
+    near_ok = NEAR_OK * lower_bound_ratio(demand, gpus_per_node, links, t_lb, b_lb)
+
+    top = 1 + max(max(max(h), max(r)) for h, r in classes)
+    isd, esd, ird, erd = [0] * top, [0] * top, [0] * top, [0] * top
+    pieces = []    # (item, class index): the regions to send, cut where large
+    order = []     # (phase, -bytes, piece index, receiver): one per choice to make
+    info = []      # per class: holders, their nodes, tie-break rotation
+    near = []      # per class: node -> indices of the holders on it
+    for ci, ((holders, receivers), items) in enumerate(classes.items()):
         k = len(holders)
-        # Rotate tie-breaks per class so that, across classes, the remainder of an uneven
-        # split does not always land on the same holder.
         rot = zlib.crc32(repr((holders[:2], receivers[:2], len(items))).encode()) % k
-        tiebreak = [(i - rot) % k for i in range(k)]
-        nodes = [h // gpus_per_node for h in holders]
-        candidates = []
-        for r in receivers:
-            same = [i for i in range(k) if nodes[i] == r // gpus_per_node]
-            candidates.append(same or list(range(k)))
-        loads = [0] * k
+        hnodes = [h // gpus_per_node for h in holders]
+        info.append((holders, hnodes, rot))
+        by_node: dict[int, list[int]] = {}
+        for i, n in enumerate(hnodes):
+            by_node.setdefault(n, []).append(i)
+        near.append(by_node)
+        if k == 1:
+            for it in items:
+                pi = len(pieces)
+                pieces.append((it, ci))
+                order.extend([(0, 0, pi, r) for r in receivers])
+            continue
+        items.sort(key=lambda it: (-it.total, it.group, it.state_index, it.box))
+        phase = [1 if r // gpus_per_node in by_node else 2 for r in receivers]
         for it in items:
-            for r, cands in zip(receivers, candidates):
-                if len(cands) == 1:
-                    best = cands[0]
+            for p in (_split(it, chunk) if it.total > chunk else (it,)):
+                pi = len(pieces)
+                pieces.append((p, ci))
+                order.extend([(ph, -p.total, pi, r) for ph, r in zip(phase, receivers)])
+    # Forced choices first, then the ones with a holder on the receiver's node (few good
+    # options), then the rest (any holder is as far as another); largest first within each,
+    # then in class and region order.
+    order.sort()
+    jobs = [(*pieces[pi], r) for _, _, pi, r in order]
+    del order
+    choice = [0] * len(jobs)
+    for ji, (it, ci, r) in enumerate(jobs):
+        holders, hnodes, rot = info[ci]
+        b = it.total
+        k = len(holders)
+        if k == 1:
+            h = holders[0]
+            if hnodes[0] == r // gpus_per_node:
+                isd[h] += b
+                ird[r] += b
+            else:
+                esd[h] += b
+                erd[r] += b
+            continue
+        rn = r // gpus_per_node
+        ir_, er_ = ird[r], erd[r]
+        r_send = max(isd[r] * wi, esd[r] * we, (isd[r] + esd[r]) * wb)
+        rb = (ir_ + er_ + b) * wb
+        rc_near = max((ir_ + b) * wi, er_ * we, rb, r_send)
+        rc_far = max(ir_ * wi, (er_ + b) * we, rb, r_send)
+        mine = near[ci].get(rn)
+        # A holder on the receiver's node is taken while it stays within both bounds: its
+        # bytes would go over NVLink; otherwise the best of all (or of a rotating window).
+        passes = [mine, None] if mine else [None]
+        for cands in passes:
+            if cands is None:
+                if k <= WINDOW:
+                    cands = range(rot, rot + k)
                 else:
-                    best = min(cands, key=lambda i: (loads[i], tiebreak[i]))
-                loads[best] += it.total
-                src = holders[best]
-                if device is None or src == device or r == device:
-                    transfers.append(Move(it.group, states[it.state_index], src, r, it.box,
-                                          it.src_piece, it.dst_piece, it.nbytes,
-                                          it.owners[best]))
-        class_loads[holders] = class_loads.get(holders, 0) + sum(loads)
-        per_receiver = sum(it.total for it in items)
-        for r in receivers:
-            need[r] = need.get(r, 0) + per_receiver
-    return transfers, class_loads, need
+                    off = rot + ji
+                    cands = [*(mine or ()), *range(off, off + WINDOW)]
+            best = -1
+            best_c = best_s = 0.0
+            for j in cands:
+                i = j % k
+                h = holders[i]
+                i_, e_ = isd[h], esd[h]
+                if hnodes[i] == rn:
+                    s = max((i_ + b) * wi, e_ * we, (i_ + e_ + b) * wb)
+                    c = rc_near
+                else:
+                    s = max(i_ * wi, (e_ + b) * we, (i_ + e_ + b) * wb)
+                    c = rc_far
+                if s > c:
+                    c = s
+                h_recv = max(ird[h] * wi, erd[h] * we, (ird[h] + erd[h]) * wb)
+                if h_recv > c:
+                    c = h_recv
+                if best < 0 or c < best_c or (c == best_c and s < best_s):
+                    best, best_c, best_s = i, c, s
+            if best_c <= near_ok:
+                break
+        choice[ji] = best
+        h = holders[best]
+        if hnodes[best] == rn:
+            isd[h] += b
+            ird[r] += b
+        else:
+            esd[h] += b
+            erd[r] += b
+
+    _improve(jobs, choice, info, near, gpus_per_node, (isd, esd, ird, erd), (wi, we, wb))
+
+    transfers = []
+    for ji, (it, ci, r) in enumerate(jobs):
+        holders = info[ci][0]
+        best = choice[ji]
+        transfers.append(Move(it.group, states[it.state_index], holders[best], r, it.box,
+                              it.src_piece, it.dst_piece, it.nbytes, it.owners[best]))
+    return transfers, demand
+
+
+#: Bounds on the local search: moves made, alternatives (and assignments) looked at in all,
+#: and the largest assignments of the costliest device looked at per move (alternatives among many holders:
+#: those on the receiver's node and a rotating window of ``WINDOW``).
+MAX_MOVES = 2000
+MAX_TRIES = 400_000
+SCAN = 128
+
+
+def _improve(jobs, choice, info, near, gpus_per_node: int, ports, weights) -> None:
+    """Local search after the greedy pass: while some single (region, receiver) can move from
+    the costliest device to another holder, or change which holder serves the costliest
+    receiver, so that the costliest device gets cheaper and every other device it touches
+    either ends below that cost or gets no costlier, make the best such move (the sorted
+    costs fall lexicographically, so this ends). Stops when the costliest device cannot be
+    relieved (or at ``MAX_MOVES`` moves or ``MAX_TRIES`` alternatives tried: the plan must stay
+    fast to compute at 1024 devices)."""
+    isd, esd, ird, erd = ports
+    wi, we, wb = weights
+
+    def cost(i_s, e_s, i_r, e_r):
+        return max(i_s * wi, e_s * we, (i_s + e_s) * wb, i_r * wi, e_r * we, (i_r + e_r) * wb)
+
+    def dev_cost(d):
+        return cost(isd[d], esd[d], ird[d], erd[d])
+
+    sends: dict[int, list[int]] = {}
+    recvs: dict[int, list[int]] = {}
+    for ji, (it, ci, r) in enumerate(jobs):
+        holders = info[ci][0]
+        if len(holders) > 1:
+            sends.setdefault(holders[choice[ji]], []).append(ji)
+            recvs.setdefault(r, []).append(ji)
+    devices = set(sends) | set(recvs)
+    heap = [(-dev_cost(d), d) for d in devices]
+    heapq.heapify(heap)
+    budget = MAX_TRIES
+    for _ in range(MAX_MOVES):
+        if budget <= 0:
+            return
+        while heap:
+            c, w = heap[0]
+            if -c == dev_cost(w):
+                break
+            heapq.heapreplace(heap, (-dev_cost(w), w))
+        if not heap:
+            return
+        cw = -heap[0][0]
+        if cw <= 1.0 + 1e-9:
+            return
+        limit = cw * (1 - 1e-9)
+        best = None
+        mine_s, mine_r = sends.get(w, []), recvs.get(w, [])
+        budget -= len(mine_s) + len(mine_r)
+        size = lambda j: jobs[j][0].total  # noqa: E731
+        cands = heapq.nlargest(SCAN, mine_s, key=size) + heapq.nlargest(SCAN, mine_r, key=size)
+        base = {}
+        for ji in cands:
+            it, ci, r = jobs[ji]
+            holders, hnodes, _ = info[ci]
+            b = it.total
+            rn = r // gpus_per_node
+            cur = choice[ji]
+            s0 = holders[cur]
+            near0 = hnodes[cur] == rn
+            for d in (s0, r):
+                if d not in base:
+                    base[d] = dev_cost(d)
+            k = len(holders)
+            if k <= WINDOW:
+                alts = range(k)
+            else:
+                off = (info[ci][2] + ji + _) % k
+                alts = [*near[ci].get(rn, ()), *((off + j) % k for j in range(WINDOW))]
+            budget -= len(alts)
+            for i in alts:
+                if i == cur:
+                    continue
+                h = holders[i]
+                near1 = hnodes[i] == rn
+                if h not in base:
+                    base[h] = dev_cost(h)
+                # Port loads after moving b from (s0 -> r) to (h -> r).
+                p_s0 = [isd[s0], esd[s0], ird[s0], erd[s0]]
+                p_s0[0 if near0 else 1] -= b
+                p_h = p_s0 if h == s0 else [isd[h], esd[h], ird[h], erd[h]]
+                p_h[0 if near1 else 1] += b
+                p_r = [isd[r], esd[r], ird[r], erd[r]]
+                p_r[2 if near0 else 3] -= b
+                p_r[2 if near1 else 3] += b
+                # The costliest device must get cheaper; the others may not pass its cost
+                # (or may not get costlier at all when they already share it).
+                v = 0.0
+                for d, p in ((s0, p_s0), (h, p_h), (r, p_r)):
+                    c = cost(*p)
+                    if d == w or c > base[d]:
+                        v = max(v, c)
+                if v < limit:
+                    limit, best = v, (ji, i, s0, h, near0, near1)
+        if best is None:
+            return
+        ji, i, s0, h, near0, near1 = best
+        b = jobs[ji][0].total
+        r = jobs[ji][2]
+        if near0:
+            isd[s0] -= b
+            ird[r] -= b
+        else:
+            esd[s0] -= b
+            erd[r] -= b
+        if near1:
+            isd[h] += b
+            ird[r] += b
+        else:
+            esd[h] += b
+            erd[r] += b
+        choice[ji] = i
+        sends[s0].remove(ji)
+        sends.setdefault(h, []).append(ji)
+        for d in (s0, h, r):
+            heapq.heappush(heap, (-dev_cost(d), d))
+
 
 
 __all__ = ["Move", "Plan", "PlanError", "TensorGroup", "plan_for_device", "plan_switch",

@@ -11,9 +11,13 @@ that ``d`` does not hold under the old layout. Whatever the plan, ``d`` receives
 each of its receivers (devices that need it and do not hold it) from a member of ``G``. So the
 members of ``G`` send at least ``L(G)`` bytes together, where ``L(G)`` sums, over that data,
 its size times its number of receivers, and one of them sends at least ``L(G) / |G|``. We
-evaluate this for every holder set that occurs in the plan (replica groups, single holders)
-and for the set of all devices, and take the largest bound of all. The bound is valid for
+evaluate this for every holder set that occurs in the plan (replica groups, single holders,
+each with the data of the smaller holder sets inside it) and for the set of all holders, and
+take the largest bound of all. The bound is valid for
 every single-hop plan, not only ours; multi-hop schemes (trees) are outside the plan model.
+
+The same plan is also measured in time on a two-tier network (NVLink inside a node, a NIC per
+GPU between nodes) against a lower bound in that model: :mod:`.timemodel`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import asdict, dataclass
 
 from .mapping import state_bytes
 from .planner import Plan
+from .timemodel import (lower_bound_bytes, lower_bound_ratio, lower_bound_seconds, makespan,
+                        port_bytes)
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,25 @@ class PlanStats:
     """The same, counting each tensor group once (what the plan stores)."""
     local_copies: int
     plan_seconds: float
+    modelled_seconds: float = 0.0
+    """The modelled pause on the plan's links (:mod:`.timemodel`)."""
+    lower_bound_seconds: float = 0.0
+    """Lower bound on the modelled pause of any single-hop plan."""
+    lower_bound_joint_ratio: float = 1.0
+    """Lower bound on max(modelled / lower_bound_seconds, busiest / lower_bound_max_rank_bytes)
+    for any single-hop plan: above 1 where the two bounds cannot both be met."""
 
     @property
     def ratio_to_bound(self) -> float:
         if self.lower_bound_max_rank_bytes == 0:
             return 1.0 if self.max_rank_bytes == 0 else float("inf")
         return self.max_rank_bytes / self.lower_bound_max_rank_bytes
+
+    @property
+    def time_ratio_to_bound(self) -> float:
+        if self.lower_bound_seconds == 0:
+            return 1.0 if self.modelled_seconds == 0 else float("inf")
+        return self.modelled_seconds / self.lower_bound_seconds
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,20 +92,20 @@ def device_traffic(plan: Plan) -> tuple[dict[int, int], dict[int, int], dict[int
 
 def lower_bound(plan: Plan) -> int:
     """Lower bound on the busiest device's network bytes (see the module docstring)."""
-    best = max(plan.need.values(), default=0)
-    loads = plan.class_loads
-    singles = {next(iter(h)): v for h, v in loads.items() if len(h) == 1}
-    multi = [(frozenset(h), v) for h, v in loads.items() if len(h) > 1]
-    for g, v in multi:
-        total = v + sum(singles.get(x, 0) for x in g)
-        total += sum(v2 for g2, v2 in multi if g2 < g)
-        best = max(best, -(-total // len(g)))
-    everyone = set(plan.old.device_of)
-    if everyone:
-        best = max(best, -(-sum(loads.values()) // len(everyone)))
-    for h, v in singles.items():
-        best = max(best, v)
-    return best
+    return lower_bound_bytes(plan.demand)
+
+
+def modelled_seconds(plan: Plan) -> float:
+    """The plan's modelled pause on its links (:mod:`.timemodel`)."""
+    sizes = [len(g.names) for g in plan.groups]
+    ports = port_bytes(((m.src, m.dst, m.nbytes * sizes[m.group]) for m in plan.transfers),
+                       plan.gpus_per_node)
+    return makespan(ports, plan.links)
+
+
+def lower_bound_time(plan: Plan) -> float:
+    """Lower bound on the modelled pause of every single-hop plan (:mod:`.timemodel`)."""
+    return lower_bound_seconds(plan.demand, plan.gpus_per_node, plan.links)
 
 
 def plan_stats(plan: Plan) -> PlanStats:
@@ -110,4 +129,8 @@ def plan_stats(plan: Plan) -> PlanStats:
         transfer_records=len(plan.transfers),
         local_copies=sum(sizes[m.group] for m in plan.copies),
         plan_seconds=round(plan.plan_seconds, 6),
+        modelled_seconds=modelled_seconds(plan),
+        lower_bound_seconds=(t_lb := lower_bound_time(plan)),
+        lower_bound_joint_ratio=lower_bound_ratio(plan.demand, plan.gpus_per_node, plan.links,
+                                                  t_lb, lower_bound(plan)),
     )

@@ -2,6 +2,9 @@
 
 The plan command is the planner's front door: it binds both layouts to the model and devices,
 plans, and prints either a readable summary or one JSON object for scripts and benchmarks.
+Besides bytes it reports the modelled pause on a two-tier network (NVLink inside a node, a NIC
+per GPU between nodes; :mod:`dynatrain.vps.timemodel`) and its lower bound. ``--estimate``
+prints that pause for the paper's cases (or for the one given) next to the published figures.
 """
 
 from __future__ import annotations
@@ -16,7 +19,30 @@ from dynatrain.vps.placement import place_devices
 from dynatrain.vps.planner import plan_switch
 from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.stats import device_traffic, plan_stats
+from dynatrain.vps.timemodel import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, Links
 from dynatrain.vps.verify import verify_plan
+
+#: The paper's headline switches on H100 nodes (arXiv 2605.18815: 70B dense in under 2 s,
+#: Qwen3-235B-A22B MoE 1024 -> 896 GPUs in 4.36 s), in layouts a user would run. Each is
+#: (name, model, from, to, devices of the new layout or None for 0..N-1, dead devices,
+#: published seconds or None, what the published figure is). A node that goes is a node
+#: with notice (preemption, drain): it sends its state before it leaves, as on Kubernetes.
+PAPER_CASES = [
+    ("70B lose a node, pp 4 -> 5", "llama-70b", "tp=8,pp=4,dp=4,zero=1",
+     "tp=8,pp=5,dp=3,zero=1", [d for d in range(128) if d // 8 != 5], (),
+     2.0, "< 2 s"),
+    ("70B lose a node, drop a replica", "llama-70b", "tp=8,pp=4,dp=4,zero=1",
+     "tp=8,pp=4,dp=3,zero=1", [d for d in range(128) if d // 8 != 5][:96], (),
+     2.0, "< 2 s"),
+    ("70B scale up 64 -> 128", "llama-70b", "tp=8,pp=4,dp=2,zero=1", "tp=8,pp=4,dp=4,zero=1",
+     None, (), 2.0, "< 2 s"),
+    ("235B 1024 -> 896, pp 8 -> 7", "qwen3-235b-a22b", "tp=4,pp=8,dp=32,ep=32,zero=1",
+     "tp=4,pp=7,dp=32,ep=32,zero=1", None, (), 4.36, "4.36 s"),
+    ("235B 1024 -> 896, tp=2 pp 8 -> 7", "qwen3-235b-a22b", "tp=2,pp=8,dp=64,ep=64,zero=1",
+     "tp=2,pp=7,dp=64,ep=64,zero=1", None, (), 4.36, "4.36 s"),
+    ("235B 1024 -> 896, pp 16 -> 14", "qwen3-235b-a22b", "tp=4,pp=16,dp=16,ep=16,zero=1",
+     "tp=4,pp=14,dp=16,ep=16,zero=1", None, (), 4.36, "4.36 s"),
+]
 
 
 def register(sub) -> None:
@@ -27,12 +53,16 @@ def register(sub) -> None:
         "like 'dp=4,tp=2,pp=2,ep=2,zero=1,stages=12+10+10' (anything not given is 1; zero "
         "is 0). By default the old layout runs on devices 0..N_old-1 and the new one on "
         "0..N_new-1.",
-        epilog="example: dynatrain plan --model gpt-125m --from dp=4 --to dp=2,tp=2,zero=1",
+        epilog="examples:\n  dynatrain plan --model gpt-125m --from dp=4 --to dp=2,tp=2,zero=1\n"
+        "  dynatrain plan --estimate\n"
+        "  dynatrain plan --estimate --model llama-70b --from tp=8,pp=4,dp=4 "
+        "--to tp=8,pp=4,dp=3",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="M",
-                   help=f"preset ({', '.join(PRESETS)}) or a .yaml/.json model spec file")
-    p.add_argument("--from", dest="old", required=True, metavar="L", help="current layout")
-    p.add_argument("--to", dest="new", required=True, metavar="L", help="new layout")
+    p.add_argument("--model", metavar="M",
+                   help=f"preset ({', '.join(PRESETS)}) or a .yaml/.json model spec file "
+                   "(required unless --estimate runs the built-in cases)")
+    p.add_argument("--from", dest="old", metavar="L", help="current layout")
+    p.add_argument("--to", dest="new", metavar="L", help="new layout")
     p.add_argument("--from-devices", metavar="D,D,…",
                    help="devices of the current layout's ranks (default 0..N_old-1)")
     p.add_argument("--to-devices", metavar="D,D,…",
@@ -44,8 +74,19 @@ def register(sub) -> None:
                    help="give new rank i the i-th device of --to-devices; by default the "
                    "planner picks which device takes which rank so that data stays in place")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
-                   help="devices per node; sources on the receiver's node are preferred "
-                   "(default 8)")
+                   help="devices per node: device d is on node d // N; transfers inside a "
+                   "node use --intra-gbps, others --inter-gbps (default 8)")
+    p.add_argument("--intra-gbps", type=float, default=DEFAULT_INTRA_GBPS, metavar="G",
+                   help="bandwidth per GPU and direction inside a node, Gb/s (default "
+                   f"{DEFAULT_INTRA_GBPS:g}: H100 NVLink, 450 GB/s)")
+    p.add_argument("--inter-gbps", type=float, default=DEFAULT_INTER_GBPS, metavar="G",
+                   help="bandwidth per GPU and direction between nodes, Gb/s (default "
+                   f"{DEFAULT_INTER_GBPS:g}: one 400G NIC per GPU)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the modelled pause (bytes over those links, each device's "
+                   "four ports in parallel, slowest device) and its lower bound. Alone, for "
+                   "the paper's cases (Llama-2 70B and Qwen3-235B-A22B on H100 nodes) next to "
+                   "the published figures; with --model/--from/--to, for that switch")
     p.add_argument("--verify", action="store_true",
                    help="also check the plan element by element against the mapping "
                    "(slow for large models)")
@@ -67,38 +108,124 @@ def parse_devices(text: str | None, what: str) -> tuple[int, ...] | None:
     return devices
 
 
-def run_plan(args) -> int:
-    if args.gpus_per_node < 1:
-        raise UsageError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
-    model = load_model(args.model)
-    old = parse_layout(args.old)
-    new = parse_layout(args.new)
-    old_devices = parse_devices(args.from_devices, "--from-devices")
-    new_devices = parse_devices(args.to_devices, "--to-devices")
-    dead = parse_devices(args.dead_devices, "--dead-devices") or ()
+def _links(args) -> Links:
+    for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
+        if not value > 0 or value == float("inf"):
+            raise UsageError(f"{flag}={value:g} must be a positive bandwidth in Gb/s, e.g. "
+                             f"{DEFAULT_INTRA_GBPS:g} (NVLink) or {DEFAULT_INTER_GBPS:g} (NIC)")
+    return Links.from_gbps(args.intra_gbps, args.inter_gbps)
+
+
+def _plan(model, old, new, old_devices, new_devices, dead, keep_rank_order, gpus_per_node,
+          links):
     for name, layout, devices in (("--from", old, old_devices), ("--to", new, new_devices)):
         if devices is not None and len(devices) != layout.world:
             raise LayoutError(f"{name} {layout.to_text()} has {layout.world} ranks "
                               f"(dp*tp*pp) but {len(devices)} devices are given")
     old = old.with_devices(old_devices or range(old.world))
     new_devices = new_devices or tuple(range(new.world))
-    if args.keep_rank_order:
+    if keep_rank_order:
         new = new.with_devices(new_devices)
     else:
         new = place_devices(model, old, new, new_devices)
-    plan = plan_switch(model, old, new, gpus_per_node=args.gpus_per_node, dead=dead)
+    return plan_switch(model, old, new, gpus_per_node=gpus_per_node, dead=dead, links=links)
+
+
+def run_plan(args) -> int:
+    if args.gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
+    links = _links(args)
+    given = [f for f, v in (("--model", args.model), ("--from", args.old), ("--to", args.new))
+             if v is not None]
+    if args.estimate and not given:
+        return run_estimate(args, links)
+    if len(given) < 3:
+        missing = [f for f in ("--model", "--from", "--to") if f not in given]
+        raise UsageError(f"{', '.join(missing)} missing: give --model, --from and --to "
+                         "(or --estimate alone for the paper's cases)")
+    model = load_model(args.model)
+    old = parse_layout(args.old)
+    new = parse_layout(args.new)
+    old_devices = parse_devices(args.from_devices, "--from-devices")
+    new_devices = parse_devices(args.to_devices, "--to-devices")
+    dead = parse_devices(args.dead_devices, "--dead-devices") or ()
+    plan = _plan(model, old, new, old_devices, new_devices, dead, args.keep_rank_order,
+                 args.gpus_per_node, links)
     if args.verify:
         verify_plan(plan, frozenset(dead))
     stats = plan_stats(plan)
+    if args.estimate:
+        row = _estimate_row("this switch", plan, stats, None, "")
+        print(json.dumps(_estimate_json([row], args, links)) if args.json
+              else render_estimate([row], args, links))
+        return 0
     if args.json:
         out = stats.to_dict()
         out.update(layout_from=plan.old.layout.to_text(), layout_to=plan.new.layout.to_text(),
                    devices_from=list(plan.old.device_of), devices_to=list(plan.new.device_of),
-                   ratio_to_bound=round(stats.ratio_to_bound, 4), verified=bool(args.verify))
+                   ratio_to_bound=round(stats.ratio_to_bound, 4),
+                   time_ratio_to_bound=round(stats.time_ratio_to_bound, 4),
+                   gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps,
+                   inter_gbps=args.inter_gbps, verified=bool(args.verify))
         print(json.dumps(out))
         return 0
     print(render_plan(plan, stats, verified=args.verify))
     return 0
+
+
+def _estimate_row(name, plan, stats, published, published_text) -> dict:
+    return {"case": name, "model": stats.model, "from": plan.old.layout.to_text(),
+            "to": plan.new.layout.to_text(), "ranks_from": stats.ranks_from,
+            "ranks_to": stats.ranks_to, "max_rank_bytes": stats.max_rank_bytes,
+            "lower_bound_max_rank_bytes": stats.lower_bound_max_rank_bytes,
+            "modelled_seconds": round(stats.modelled_seconds, 4),
+            "lower_bound_seconds": round(stats.lower_bound_seconds, 4),
+            "time_ratio_to_bound": round(stats.time_ratio_to_bound, 4),
+            "published_seconds": published, "published": published_text}
+
+
+def _estimate_json(rows, args, links) -> dict:
+    return {"gpus_per_node": args.gpus_per_node, "intra_gbps": args.intra_gbps,
+            "inter_gbps": args.inter_gbps, "cases": rows}
+
+
+def run_estimate(args, links) -> int:
+    rows = []
+    for name, model, old, new, to_devices, dead, published, text in PAPER_CASES:
+        plan = _plan(load_model(model), parse_layout(old), parse_layout(new), None,
+                     tuple(to_devices) if to_devices is not None else None, tuple(dead),
+                     False, args.gpus_per_node, links)
+        rows.append(_estimate_row(name, plan, plan_stats(plan), published, text))
+    print(json.dumps(_estimate_json(rows, args, links)) if args.json
+          else render_estimate(rows, args, links))
+    return 0
+
+
+def render_estimate(rows, args, links) -> str:
+    lines = [f"modelled pause on nodes of {args.gpus_per_node} GPUs, {args.intra_gbps:g} Gb/s "
+             f"inside a node, {args.inter_gbps:g} Gb/s between",
+             "  nodes (per GPU and direction)",
+             "  model: each device's NVLink and NIC ports send and receive at once; the pause",
+             "  is the slowest device's slowest port (transfer only, no latency or setup)", "",
+             f"  {'switch':<34}{'model':<17}{'GPUs':>12}{'busiest':>11}{'modelled':>10}"
+             f"{'bound':>8}{'ratio':>7}{'published':>11}"]
+    for r in rows:
+        gpus = f"{r['ranks_from']} -> {r['ranks_to']}"
+        lines.append(f"  {r['case']:<34}{r['model']:<17}{gpus:>12}"
+                     f"{fmt_bytes(r['max_rank_bytes']):>11}{r['modelled_seconds']:>9.2f}s"
+                     f"{r['lower_bound_seconds']:>7.2f}s{r['time_ratio_to_bound']:>7.3f}"
+                     f"{r['published']:>11}")
+    if len(rows) == 1 and rows[0]["published_seconds"] is None:
+        r = rows[0]
+        lines.append(f"\n  {r['from']} -> {r['to']}")
+    if any(r["published_seconds"] is not None for r in rows):
+        lines += ["", "  published: the paper's measured end-to-end switch pause (arXiv "
+                  "2605.18815). The model",
+                  "  counts only moving the bytes at the links' nominal rate, so it is a floor "
+                  "for the transfer;",
+                  "  the rest of a measured pause is setup, synchronisation, staging and the "
+                  "rate actually reached."]
+    return "\n".join(lines)
 
 
 def fmt_bytes(n: float) -> str:
@@ -139,6 +266,14 @@ def render_plan(plan, stats, verified: bool = False) -> str:
         f"{fmt_bytes(stats.max_rank_recv_bytes)})",
         f"  {'lower bound':<28}{fmt_bytes(stats.lower_bound_max_rank_bytes):>14}   "
         f"(busiest / bound = {stats.ratio_to_bound:.3f})",
+        f"  {'modelled pause':<28}{stats.modelled_seconds:>12.3f} s   "
+        f"(NVLink {plan.links.intra * 8 / 1e9:g} Gb/s, NIC {plan.links.inter * 8 / 1e9:g} "
+        f"Gb/s, {plan.gpus_per_node} GPUs per node)",
+        f"  {'lower bound on the pause':<28}{stats.lower_bound_seconds:>12.3f} s   "
+        f"(modelled / bound = {stats.time_ratio_to_bound:.3f})",
+        *([f"  {'both bounds at once':<28}{'':>14}   no plan is within "
+           f"{stats.lower_bound_joint_ratio:.3f}x of both: they conflict"]
+          if stats.lower_bound_joint_ratio > 1.0005 else []),
         f"  {'transfers':<28}{stats.transfers:>14,}   ({stats.transfer_records:,} records "
         f"over {len(plan.groups)} tensor groups)",
         f"  {'plan time':<28}{stats.plan_seconds:>12.3f} s",
