@@ -10,7 +10,8 @@ bytes, local and network, by one memcpy and one message per peer, all at once, a
 its cores; bytes that the engine carves rather than copies count as moved); the pause over
 the larger of the two; checkpoint-and-restart with PyTorch
 Distributed Checkpoint (``restart_seconds``) and the speedup; the bit-exactness checks; the
-memory growth during the switch against the issue's bound. Run:
+memory growth during the switch against the issue's bound; and the geometric mean of the
+speedup over checkpoint-and-restart across the cases (``speedup_geomean``). Run:
 
     .venv/bin/python benchmarks/switch_speed.py [--json] [--no-baseline]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from dynatrain.bench.switch import bench_switch
@@ -26,6 +28,15 @@ from dynatrain.trainer.config import make_config
 
 CASES = [("dp=2,tp=2", "pp=2,tp=2"), ("dp=4", "tp=4"), ("dp=4", "dp=2"),
          ("dp=2", "dp=4"), ("pp=4", "dp=2")]
+
+
+def speedup_geomean(rows: list[dict]) -> float | None:
+    """The geometric mean of the rows' speedups over checkpoint-and-restart (None without the
+    baseline): the mean that a single outlier case cannot dominate."""
+    speedups = [r["speedup"] for r in rows]
+    if not speedups or any(s is None or s <= 0 for s in speedups):
+        return None
+    return math.exp(sum(math.log(s) for s in speedups) / len(speedups))
 
 
 def main(argv=None) -> int:
@@ -57,8 +68,12 @@ def main(argv=None) -> int:
                   f"{r['bytes_adopted'] / 2**20:.0f} MiB  rss growth/bound worst "
                   f"{max(g / b for g, b in zip(r['rss_growth_bytes'], r['rss_growth_bound_bytes'])):.2f}",
                   flush=True)
+    geomean = speedup_geomean(rows)
     if args.json:
-        print(json.dumps({"model": args.model, "rows": rows}))
+        print(json.dumps({"model": args.model, "rows": rows, "speedup_geomean": geomean}))
+    elif geomean is not None:
+        print(f"speedup over checkpoint-and-restart, geometric mean of {len(rows)} cases: "
+              f"{geomean:.0f}x", flush=True)
     # Timings are figures; a state that is not bit-exact, or losses that differ from the
     # restart's, are errors.
     bad = [f"{r['from']} -> {r['to']}" for r in rows

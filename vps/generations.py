@@ -29,7 +29,7 @@ from .layout import Layout
 from .model import ModelSpec
 from .planner import Plan, plan_switch
 from .regions import warm_up_regions
-from .rounds import Message, schedule_rounds
+from .rounds import DIRECT_BYTES, Message, schedule_rounds
 
 
 class GenerationError(RuntimeError):
@@ -90,8 +90,8 @@ class DeviceManager:
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
                 gpus_per_node: int = 8, dead: frozenset[int] = frozenset(),
                 proxies: dict[int, int] | None = None,
-                preallocate: Callable[[PreparedSwitch], None] | None = None
-                ) -> "Future[PreparedSwitch]":
+                preallocate: Callable[[PreparedSwitch], None] | None = None,
+                direct_bytes: int | None = DIRECT_BYTES) -> "Future[PreparedSwitch]":
         """Start the background work of switching ``old`` -> ``new``; returns a future.
 
         ``build_extra(new_rank)`` runs on devices of the new layout, in the same thread, after
@@ -101,6 +101,8 @@ class DeviceManager:
         group; ``proxies`` name the live devices that hold their mirrored state.
         ``preallocate(prepared)`` runs last, on every device of a switch with a plan, to fill
         in ``prepared.preallocated`` and ``prepared.staging`` ahead of the pause.
+        ``direct_bytes`` must be the engine's (``None`` with checksums): see
+        :func:`~.rounds.schedule_rounds`.
         """
         future: Future = Future()
 
@@ -115,7 +117,7 @@ class DeviceManager:
                 else:
                     plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8,
                                        dead=dead, proxies=proxies or {})
-                    rounds = schedule_rounds(plan, staging_bytes)
+                    rounds = schedule_rounds(plan, staging_bytes, direct_bytes)
                     warm_up_regions(plan, self.device)
                     members = sorted((set(old.device_of) | set(new.device_of)) - set(dead))
                     group = self.build_group(generation, "transition", members)

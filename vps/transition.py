@@ -99,6 +99,17 @@ class TransitionStats:
     """New local tensors made views of old ones instead of copies (see :mod:`.carving`)."""
     bytes_allocated: int = 0
     """New local tensors and staging allocated during the switch: none of the above."""
+    setup_seconds: float = 0.0
+    """Adopting, carving and allocating the new local tensors (before the local copies)."""
+    post_seconds: float = 0.0
+    """Network rounds: packing sends into staging and posting every send and receive."""
+    wait_seconds: float = 0.0
+    """Network rounds: waiting for the posted messages to complete."""
+    unpack_seconds: float = 0.0
+    """Network rounds: copying received staging (and non-contiguous regions) into place,
+    and releasing old tensors whose last reader is done."""
+    messages_sent: int = 0
+    messages_received: int = 0
 
     @property
     def bytes_local(self) -> int:
@@ -196,6 +207,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                 new[key] = torch.empty(shape, dtype=dtype, device=dev)
                 stats.bytes_allocated += new[key].numel() * new[key].element_size()
     stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in adopted)
+    stats.setup_seconds = time.perf_counter() - t0
 
     # Last reader of each of our own old tensors: -1 = the local copies, r = network round r.
     # Reads from mirrors do not count: mirrors are kept (see the module docstring).
@@ -266,6 +278,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                 continue
             faults.inject("round", device, r)
             stats.rounds += 1
+            t_round = time.perf_counter()
             # A packed message has tag r << 16, the direct region j of it (r << 16) + 1 + j:
             # both ends number them the same way.
             works, inbound, unstaged, staged, offset = [], [], [], 0, 0
@@ -320,6 +333,13 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     works.append((msg, group.recv([buf], group_rank[msg.src], tag)))
                     inbound.append((msg, packed, buf))
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
+            t_wait = time.perf_counter()
+            stats.post_seconds += t_wait - t_round
+            for msg, _ in works:
+                if msg.src == device:
+                    stats.messages_sent += 1
+                else:
+                    stats.messages_received += 1
             for msg, work in works:
                 peer = msg.dst if msg.src == device else msg.src
                 try:
@@ -329,6 +349,8 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     raise TransitionError(
                         f"device {device}: round {r} with device {peer} failed after up to "
                         f"{config.timeout.total_seconds():.0f} s: {e}") from e
+            t_unpack = time.perf_counter()
+            stats.wait_seconds += t_unpack - t_wait
             for dst, into in unstaged:
                 dst.copy_(into)
             for msg, packed, buf in inbound:
@@ -349,6 +371,7 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                     dst.copy_(buf[at:at + it.nbytes].view(dst.dtype).reshape(dst.shape))
                     at += it.nbytes
             release(r)
+            stats.unpack_seconds += time.perf_counter() - t_unpack
         stats.network_seconds = time.perf_counter() - t1
     stats.seconds = time.perf_counter() - t0
     return new, stats

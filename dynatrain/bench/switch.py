@@ -144,6 +144,8 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
             "bitwise_equal": all(d["bitwise"] for d in devices),
             "pause_phases": {d["device"]: {k: round(v, 4) for k, v in d["phases"].items()}
                              for d in devices},
+            # Network messages each device posted in the pause: [sent, received].
+            "messages": {d["device"]: d["messages"] for d in devices},
             "losses_before": first_old["losses_before"],
             "losses_after": first_new["losses_after"],
             "restart_seconds": None, "speedup": None, "loss_match": None,

@@ -163,7 +163,8 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
                                                             mgr.group_factory(1, new_layout)),
                          # CPU only, as in the worker: on a GPU allocation is cheap
                          preallocate=((lambda p: preallocate(p, device, config))
-                                      if dev.type == "cpu" else None))
+                                      if dev.type == "cpu" else None),
+                         direct_bytes=None if config.checksums else config.direct_bytes)
     losses_before = [holder[0].train_step().loss for _ in range(steps[0])] if holder else []
     prepared = future.result(timeout=timeout_s)
     bandwidth = _probe_bandwidth(prepared.transition_group, prepared.group_rank, device,
@@ -223,7 +224,8 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
         "rss_before": rss_before, "peak_rss": peak, "old_bytes": old_bytes,
         "new_bytes": new_bytes, "sent": res.transfer.bytes_sent,
         "received": res.transfer.bytes_received, "staging_peak": res.transfer.peak_staging_bytes,
-        "rounds": res.transfer.rounds, "phases": res.phases}))
+        "rounds": res.transfer.rounds, "phases": res.phases,
+        "messages": [res.transfer.messages_sent, res.transfer.messages_received]}))
     dist.barrier()
     dist.destroy_process_group()
 

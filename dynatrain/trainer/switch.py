@@ -201,7 +201,9 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
         raise
     t3 = time.perf_counter()
     phases = {"release": t1 - t0, "transfer": t2 - t1, "local_copies": stats.copy_seconds,
-              "network": stats.network_seconds, "commit": t3 - t2}
+              "network": stats.network_seconds, "commit": t3 - t2,
+              "setup": stats.setup_seconds, "post": stats.post_seconds,
+              "wait": stats.wait_seconds, "unpack": stats.unpack_seconds}
     del old
     if prepared.new_rank is None:   # a leaver frees its old state on return: nobody waits
         return SwitchResult(None, t3 - t0, stats, phases)
