@@ -1,4 +1,4 @@
-"""``dynatrain bench switch`` and ``dynatrain bench chaos``: the arguments and the printout.
+"""``dynatrain bench switch``, ``chaos`` and ``goodput``: the arguments and the printout.
 
 The benchmarks themselves are the library's (``dynatrain.bench``); each command's ``--help``
 description is its benchmark module's docstring after the first paragraph.
@@ -50,6 +50,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench_switch)
     _register_chaos(bsub)
+    _register_goodput(bsub)
 
 
 def run_bench_switch(args) -> int:
@@ -172,3 +173,35 @@ def _run_overlap(args) -> int:
     else:
         print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=2))
     return 0 if out["passed"] == out["trials"] else 1
+
+
+def _register_goodput(bsub) -> None:
+    from dynatrain.bench import goodput
+
+    p = bsub.add_parser(
+        "goodput", help="goodput under a capacity trace: live switches vs checkpoint-and-restart",
+        description=_details(goodput), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: dynatrain bench goodput --trace examples/spot-trace.yaml --json")
+    p.add_argument("--trace", required=True, metavar="FILE",
+                   help="capacity trace (YAML; format above)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds each of the two runs may take (default 1800)")
+    p.add_argument("--keep", metavar="DIR", help="keep both runs' logs in DIR")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (progress goes to stderr)")
+    p.set_defaults(func=run_bench_goodput)
+
+
+def run_bench_goodput(args) -> int:
+    from dynatrain.bench import goodput
+
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout={args.timeout} must be positive")
+    goodput.load_trace(args.trace)          # a bad trace or job stops here, before any run
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else print
+    out = goodput.bench_goodput(args.trace, timeout_s=args.timeout, keep=args.keep, say=say)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(goodput.format_report(out))
+    return 0 if all(out[m].get("outcome") == "finished" for m in goodput.MODES) else 1

@@ -98,6 +98,11 @@ class JobController:
         self.first_step_end: dict[int, float] = {}
         """Generation -> wall time at which its first step ended (recovery time is measured
         up to it)."""
+        self.step_times: dict[tuple[int, int], tuple[float, float]] | None = None
+        """When a dict (``dynatrain bench goodput`` sets one; None: not kept, it grows with
+        the job): (generation, step) -> (wall start, wall end) of every step trained, steps
+        trained again after a rewind included, the earliest start and latest end over the
+        devices that reported it."""
         self.resume_from = ""
         """A checkpoint the job's first generation starts from (any layout)."""
         self.recover_in_memory = True
@@ -487,6 +492,13 @@ class JobController:
             self._seen[device] = rec.step
             if rec.end_time:
                 self.first_step_end.setdefault(rec.generation, rec.end_time)
+            if rec.end_time and self.step_times is not None:
+                key = (rec.generation, rec.step)
+                start, end = rec.end_time - rec.seconds, rec.end_time
+                if key in self.step_times:
+                    was = self.step_times[key]
+                    start, end = min(start, was[0]), max(end, was[1])
+                self.step_times[key] = (start, end)
             p.losses.setdefault(rec.step, rec.loss)
             if rec.sample_end > rec.sample_begin:
                 p.reads.setdefault(rec.step, {})[device] = (rec.sample_begin, rec.sample_end)
