@@ -57,6 +57,13 @@ class TrialSpec:
     checkpoint_every: int = 4
     dump_steps: list[int] = field(default_factory=list)
     """Reference runs only: the steps whose state to keep."""
+    global_batch_size: int = 8
+    seq_len: int = 32
+    check_state: bool = True
+    """Dump the restored state for the bit-for-bit check (False: a timing-only trial, whose
+    recovery does not pay for writing it; ``benchmarks/vs_torchft.py``)."""
+    limits: dict = field(default_factory=dict)
+    """``spec.parallelism.limits`` (empty: none), e.g. maxTP/maxPP 1 for pure DP."""
 
 
 @dataclass
@@ -82,9 +89,11 @@ def _manifest(spec: TrialSpec) -> dict:
             "metadata": {"name": f"chaos-{spec.index}"},
             "spec": {"model": {"preset": "gpt-tiny"},
                      "elastic": {"minWorkers": 1, "maxWorkers": 4},
-                     "parallelism": {"mode": "auto", "layout": spec.layout},
-                     "globalBatchSize": 8,
-                     "training": {"steps": spec.steps, "seqLen": 32, "learningRate": 3e-4},
+                     "parallelism": {"mode": "auto", "layout": spec.layout,
+                                     **({"limits": spec.limits} if spec.limits else {})},
+                     "globalBatchSize": spec.global_batch_size,
+                     "training": {"steps": spec.steps, "seqLen": spec.seq_len,
+                                  "learningRate": 3e-4},
                      "recovery": {"mirror": True},
                      "checkpoint": {"claimName": "unused-locally",
                                     "intervalSteps": spec.checkpoint_every}}}
@@ -116,8 +125,9 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
         point = "prepare,skip:1" if spec.kind == "prepare" else "transfer"
         env[spec.victims[0]] = {"DYNATRAIN_FAULT": f"device:{spec.victims[0]},at:{point}"}
     dumps = workdir / "dumps"
-    common = {"DYNATRAIN_DUMP_RESTORED": str(dumps), "DYNATRAIN_FAULT_LOG":
-              str(workdir / "faults.jsonl")}
+    common = {"DYNATRAIN_FAULT_LOG": str(workdir / "faults.jsonl")}
+    if spec.check_state:
+        common["DYNATRAIN_DUMP_RESTORED"] = str(dumps)
     if spec.dump_steps:
         common["DYNATRAIN_DUMP_STEPS"] = ",".join(map(str, spec.dump_steps))
     lines: list[str] = []
@@ -127,6 +137,7 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
                          worker_env={d: {**common, **env.get(d, {})} for d in range(8)})
     # Layout fixed at start (auto mode would re-plan after the start); recoveries pick freely.
     runner.controller.request_layout(parse_layout(spec.layout))
+    runner.controller.step_times = {}         # every step's wall times (a short job: small)
     out: dict = {"log": lines}
     try:
         result = runner.run()
@@ -137,6 +148,8 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
                exactly_once=result.samples_exactly_once,
                recoveries=[r.summary() | {"generation": r.generation} for r in result.recoveries],
                first_step_end={str(k): v for k, v in runner.controller.first_step_end.items()},
+               step_times=[[g, k, a, b] for (g, k), (a, b)
+                           in sorted(runner.controller.step_times.items())],
                kills=[{"device": d, "time": t} for d, t in runner.kills],
                faults=_read_jsonl(workdir / "faults.jsonl"),
                restarts=[{"step": s, "time": t} for s, t in runner.restarts])
