@@ -56,16 +56,25 @@ go-tools: setup
 bench-smoke: setup
 	@$(PHASE) "bench smoke" $(BIN)/python benchmarks/smoke.py
 
-# Figures, not pass/fail on timing: plan quality (bytes, exact), plan speed, the agent's and
+# Figures, not pass/fail on timing: plan quality (bytes and modelled pause against their
+# bounds, exact; the fixed suite and held-out random switches), plan speed, the agent's and
 # the redundancy's cost on step time, recovery from killed workers vs checkpoint-and-restart,
-# the live switch's pause vs its floors and vs checkpoint-and-restart (gpt-125m, ~4 min).
+# the live switch's pause vs its floors and vs checkpoint-and-restart (gpt-125m, ~4 min), gloo's
+# cost per message, goodput under a spot trace vs restarts (~8 min), and TorchFT on the same
+# job (its package is the optional `bench` extra, installed here).
 bench: setup
+	$(BIN)/pip install --quiet -e ".[test,bench]"
 	$(BIN)/python benchmarks/plan_quality.py
+	$(BIN)/python benchmarks/plan_held_out.py --examples 150
 	$(BIN)/python benchmarks/plan_speed.py
+	$(BIN)/dynatrain plan --estimate
 	$(BIN)/python benchmarks/agent_overhead.py
 	$(BIN)/python benchmarks/redundancy_cost.py --model gpt-tiny --layout dp=2,zero=1 --steps 20
 	$(BIN)/dynatrain bench chaos --trials 10 --restart-trials 3
 	$(BIN)/python benchmarks/switch_speed.py
+	$(BIN)/python benchmarks/gloo_messages.py
+	$(BIN)/dynatrain bench goodput --trace examples/spot-trace.yaml
+	$(BIN)/python benchmarks/vs_torchft.py
 	$(BIN)/python benchmarks/operator_scale.py --jobs 20 --seconds 60
 
 # On a machine with an NVIDIA GPU: the CUDA paths (training, the engine's local copies and

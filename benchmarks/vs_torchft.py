@@ -227,11 +227,16 @@ def _replica_main(argv: list[str]) -> int:
         lo, hi = (r * G // n, (r + 1) * G // n) if r is not None else (0, 0)
         loss_value = float("nan")
         if hi > lo:
-            rows = torch.stack([source.sample(step * G + i) for i in range(lo, hi)])
-            loss = net(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
-            # Averaged over the n participants below: the mean over the global batch.
-            (loss * (hi - lo) * n / G).backward()
-            loss_value = float(loss.detach())
+            # One sequence per micro-batch, gradients accumulated: what DynaTrain's trainer
+            # does by default (spec.training.microBatchSize 1), so both sides do the same work.
+            total = 0.0
+            for i in range(lo, hi):
+                row = source.sample(step * G + i).unsqueeze(0)
+                loss = net(row[:, :-1].contiguous(), row[:, 1:].contiguous())
+                # Averaged over the n participants below: the mean over the global batch.
+                (loss * n / G).backward()
+                total += float(loss.detach())
+            loss_value = total / (hi - lo)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in net.weights]
         flat = torch.cat([g.reshape(-1) for g in grads])
         manager.allreduce(flat).wait()
