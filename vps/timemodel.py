@@ -211,6 +211,20 @@ def _sum_loads(parts: Iterable[Mapping[int, list]]) -> dict[int, list]:
     return out
 
 
+def _node_loads(per_r: dict[int, int], holder_nodes, gpus_per_node: int,
+                into: dict[int, list]) -> dict[int, list]:
+    """Add one holder set's demand to ``into``, per receiver node: [bytes with no holder on
+    that node (far), bytes with one there (near), the receivers]."""
+    for r, b in per_r.items():
+        n = r // gpus_per_node
+        acc = into.get(n)
+        if acc is None:
+            acc = into[n] = [0, 0, set()]
+        acc[n in holder_nodes] += b
+        acc[2].add(r)
+    return into
+
+
 def lower_bound_seconds(demand: Demand, gpus_per_node: int, links: Links) -> float:
     """Lower bound on the makespan of every single-hop plan for ``demand`` (module docstring)."""
     if not demand:
@@ -236,15 +250,8 @@ def lower_bound_seconds(demand: Demand, gpus_per_node: int, links: Links) -> flo
     # Send side: per-node loads of every holder set, then of the sets containing them.
     sets: dict[frozenset, dict[int, list]] = {}  # G -> node -> [far, near, receivers]
     for holders, per_r in demand.items():
-        nodes = {h // gpus_per_node for h in holders}
-        loads = sets.setdefault(frozenset(holders), {})
-        for r, b in per_r.items():
-            n = r // gpus_per_node
-            acc = loads.get(n)
-            if acc is None:
-                acc = loads[n] = [0, 0, set()]
-            acc[n in nodes] += b
-            acc[2].add(r)
+        _node_loads(per_r, {h // gpus_per_node for h in holders}, gpus_per_node,
+                    sets.setdefault(frozenset(holders), {}))
 
     def members_of(g) -> dict[int, int]:
         m: dict[int, int] = {}
@@ -297,14 +304,7 @@ def lower_bound_ratio(demand: Demand, gpus_per_node: int, links: Links, seconds:
     at_node: dict[int, list] = {}  # node -> [(holders, far, near, receivers)]
     for holders, per_r in demand.items():
         nodes = [h // gpus_per_node for h in holders]
-        loads: dict[int, list] = {}
-        for r, b in per_r.items():
-            n = r // gpus_per_node
-            acc = loads.get(n)
-            if acc is None:
-                acc = loads[n] = [0, 0, set()]
-            acc[n in nodes] += b
-            acc[2].add(r)
+        loads = _node_loads(per_r, nodes, gpus_per_node, {})
         for n, (far, near, rs) in loads.items():
             on = nodes.count(n)
             best = max(best, ratio(far, near, on, len(holders) - on, len(rs)))
