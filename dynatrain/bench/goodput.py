@@ -399,19 +399,13 @@ def _runner_class():
             c = self.controller
             c.poll(judge=False)          # the survivors' last step records, before they stop
             reached = c.progress.step
-            self._stop_all()
-            self.workers.clear()
             found = latest_checkpoint(self.checkpoint_dir)
             path, step = found if found is not None else ("", 0)
             why = why or f"worker {device} exited with code {code}"
-            self._say(f"{why}: restarting {self.capacity} workers from "
-                      + (f"checkpoint {path} (step {step})" if path else "step 0 (no checkpoint)"))
             self.restart_log.append({"why": why, "from_step": max(reached, step),
                                      "checkpoint_step": step, "workers": self.capacity,
                                      "time": time.time()})
-            self.restarts.append((step, time.time()))
-            c.restart_from(path, step)
-            self._spawn(self.capacity)
+            self._restart_all(path, step, self.capacity, why)
 
     return TraceRunner
 

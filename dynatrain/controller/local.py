@@ -313,9 +313,14 @@ class LocalRunner:
             raise JobFailed(f"worker {device} exited with code {code} and there is no "
                             f"checkpoint in {self.checkpoint_dir} to restart from")
         path, step = found
-        self._say(f"worker {device} exited with code {code}: restarting every worker from "
-                  f"checkpoint {path} (step {step})")
-        count = len(self.controller.members)
+        self._restart_all(path, step, len(self.controller.members),
+                          f"worker {device} exited with code {code}")
+
+    def _restart_all(self, path: str, step: int, count: int, why: str) -> None:
+        """Every worker stops; ``count`` fresh ones start from checkpoint ``path`` at ``step``
+        ("" and 0: from scratch)."""
+        self._say(f"{why}: restarting {count} workers from "
+                  + (f"checkpoint {path} (step {step})" if path else "step 0 (no checkpoint)"))
         self.restarts.append((step, time.time()))
         self._stop_all()
         self.workers.clear()
