@@ -107,8 +107,6 @@ class Plan:
     copies: list[Move]
     transfers: list[Move]
     gpus_per_node: int
-    class_loads: dict[tuple[int, ...], int] = field(default_factory=dict)
-    """Network bytes each holder set H must send in total (input to the lower bound)."""
     need: dict[int, int] = field(default_factory=dict)
     """Network bytes each device must receive: its new state that it does not hold."""
     demand: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
@@ -307,17 +305,15 @@ def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> 
 
     transfers, demand = _assign_sources(classes, states, gpus_per_node, links)
     need: dict[int, int] = {}
-    class_loads: dict[tuple[int, ...], int] = {}
-    for holders, per_r in demand.items():
-        class_loads[holders] = sum(per_r.values())
+    for per_r in demand.values():
         for r, b in per_r.items():
             need[r] = need.get(r, 0) + b
     if only_device is not None:
         d = only_device
         copies = [m for m in copies if m.dst == d]
         transfers = [m for m in transfers if m.src == d or m.dst == d]
-    return Plan(model, ob, nb, groups, copies, transfers, gpus_per_node, class_loads, need,
-                demand=demand, links=links)
+    return Plan(model, ob, nb, groups, copies, transfers, gpus_per_node, need, demand=demand,
+                links=links)
 
 
 def plan_for_device(model: ModelSpec, old: Layout, new: Layout, device: int, **kw) -> Plan:
