@@ -16,12 +16,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.redundancy import Redundancy
 from dynatrain.trainer.switch import switch
-from dynatrain.trainer.trainer import Trainer
+from dynatrain.trainer.trainer import LocalState, Trainer
 from dynatrain.vps import abandon, faults
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.layout import bind
@@ -102,11 +100,13 @@ class Worker(WorkerControl):
         every = self.job.recovery.checkpoint_interval
         if every and self.checkpoint_dir and t.step % every == 0:
             g = t.g
+            # Into the job's own folder of the root (<root>/<job>/step-N): a claim shared
+            # with other jobs is pruned per job, and Status reports the path in that folder.
             saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
                                     group=g.world, group_rank=g.rank,
                                     group_size=self.layout.world,
                                     keep=self.job.recovery.checkpoint_keep,
-                                    hf_source=self.job.training.init_hf)
+                                    hf_source=self.job.training.init_hf, job=self.job.name)
             with self.lock:
                 self.checkpoint = (saved.path, t.step)
 
@@ -343,15 +343,16 @@ class Worker(WorkerControl):
 
 def _dump_state(trainer: Trainer, tag: str) -> None:
     """For ``dynatrain bench chaos``: with DYNATRAIN_DUMP_RESTORED=DIR, write the state a
-    recovery restored (``DIR/gen<g>-rank<r>.pt``), or the state after a step named in
-    DYNATRAIN_DUMP_STEPS (``DIR/step<s>-rank<r>.pt``), to be compared across runs."""
+    recovery restored (``DIR/gen<g>-rank<r>.safetensors``), or the state after a step named in
+    DYNATRAIN_DUMP_STEPS (``DIR/step<s>-rank<r>.safetensors``), to be compared across runs.
+    Safetensors + JSON (:mod:`dynatrain.trainer.state_io`): the bench reads them without
+    unpickling anything."""
+    from dynatrain.trainer.state_io import write_state
+
     out = os.environ.get("DYNATRAIN_DUMP_RESTORED")
     if not out:
         return
     st = trainer.local_state()
-    cpu = {k: (t.detach().cpu().clone(), pieces) for k, (t, pieces) in st.tensors.items()}
-    path = Path(out) / f"{tag}-rank{trainer.g.rank}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"tensors": cpu, "step": st.step, "data_position": st.data_position,
-                "layout": trainer.lay.to_text(), "world": trainer.lay.world}, str(path) + ".tmp")
-    os.replace(str(path) + ".tmp", path)
+    write_state(Path(out) / f"{tag}-rank{trainer.g.rank}.safetensors",
+                LocalState(st.tensors, st.step, st.data_position),
+                layout=trainer.lay.to_text(), world=trainer.lay.world)

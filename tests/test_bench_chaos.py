@@ -8,6 +8,7 @@ import torch
 from dynatrain.bench import chaos as bc
 from dynatrain.trainer.redundancy import buddy_map
 from dynatrain.trainer.state import FullState, local_from_full
+from dynatrain.trainer.state_io import write_state
 from dynatrain.vps.layout import bind, parse_layout
 from dynatrain.vps.presets import PRESETS
 
@@ -51,9 +52,9 @@ def _dump(directory, tag: str, layout: str, full: FullState) -> None:
     bound = bind(lay.with_devices(range(lay.world)), PRESETS["gpt-tiny"])
     directory.mkdir(parents=True, exist_ok=True)
     for rank in range(lay.world):
-        st = local_from_full(full, bound, rank)
-        torch.save({"tensors": st.tensors, "step": st.step, "data_position": st.data_position},
-                   directory / f"{tag}-rank{rank}.pt")
+        # As agent.worker_loop._dump_state writes it: safetensors + JSON, no pickle.
+        write_state(directory / f"{tag}-rank{rank}.safetensors",
+                    local_from_full(full, bound, rank), layout=layout, world=lay.world)
 
 
 def test_restored_states_are_compared_bit_for_bit(tmp_path, monkeypatch):

@@ -210,17 +210,13 @@ def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float, *, keep: bool = 
 
 
 def _load_states(paths: list[Path]):
-    import torch
-
     from dynatrain.trainer.state import assemble_full
-    from dynatrain.trainer.trainer import LocalState
+    from dynatrain.trainer.state_io import read_state
     from dynatrain.vps.presets import PRESETS
 
-    states = []
-    for p in paths:
-        d = torch.load(p, weights_only=False)
-        states.append(LocalState(d["tensors"], d["step"], d["data_position"]))
-    return assemble_full(PRESETS["gpt-tiny"], states)
+    # The workers' dumps (agent.worker_loop._dump_state) are safetensors + JSON: nothing in
+    # them is unpickled.
+    return assemble_full(PRESETS["gpt-tiny"], [read_state(p)[0] for p in paths])
 
 
 def _judge(spec: TrialSpec, raw: dict | None, seconds: float, root: Path) -> TrialResult:
@@ -284,11 +280,13 @@ def _check_states(results: list[TrialResult], specs: list[TrialSpec], root: Path
             if raw is None or raw["outcome"] != "finished":
                 r.outcome, r.message = "error", "the failure-free reference run failed"
                 continue
-            ref = _load_states(sorted(ref_dir.glob(f"step{r.restored_step}-rank*.pt")))
+            ref = _load_states(sorted(ref_dir.glob(
+                f"step{r.restored_step}-rank*.safetensors")))
             spec_r = next(s for s in specs if s.index == r.index)
             dumps = root / f"trial-{spec_r.index}-{spec_r.kind}" / "dumps"
-            gen = min(int(p.name.split("-")[0][3:]) for p in dumps.glob("gen*-rank*.pt"))
-            got = _load_states(sorted(dumps.glob(f"gen{gen}-rank*.pt")))
+            gen = min(int(p.name.split("-")[0][3:])
+                      for p in dumps.glob("gen*-rank*.safetensors"))
+            got = _load_states(sorted(dumps.glob(f"gen{gen}-rank*.safetensors")))
             bad = [k for k, t in ref.tensors.items()
                    if k not in got.tensors or not torch.equal(t, got.tensors[k])]
             if bad or (got.step, got.data_position) != (ref.step, ref.data_position):

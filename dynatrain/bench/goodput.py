@@ -399,7 +399,7 @@ def _runner_class():
             c = self.controller
             c.poll(judge=False)          # the survivors' last step records, before they stop
             reached = c.progress.step
-            found = latest_checkpoint(self.checkpoint_dir)
+            found = latest_checkpoint(self.checkpoint_dir, self.job.name)
             path, step = found if found is not None else ("", 0)
             why = why or f"worker {device} exited with code {code}"
             self.restart_log.append({"why": why, "from_step": max(reached, step),

@@ -181,16 +181,14 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
 
 
 def _write_dump(path: str, model, messages) -> None:
-    import io
-
     import torch
 
     from dynatrain.trainer.state import assemble_full
-    from dynatrain.trainer.trainer import LocalState
+    from dynatrain.trainer.state_io import state_from_bytes
 
     os.makedirs(path, exist_ok=True)
     for tag in ("before", "after"):
-        states = [LocalState(torch.load(io.BytesIO(m), weights_only=False), 0, 0)
+        states = [state_from_bytes(m, source=f"a worker's {tag} state")[0]
                   for t, m in messages if t == tag]
         full = assemble_full(model, states)
         torch.save({f"{n}/{s}": t for (n, s), t in full.tensors.items()},

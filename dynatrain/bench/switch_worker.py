@@ -231,15 +231,13 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
 
 
 def _put_state(results, tag, st) -> None:
-    import io
-
-    import torch
-
+    from dynatrain.trainer.state_io import state_to_bytes
+    from dynatrain.trainer.trainer import LocalState
     from dynatrain.vps.carving import owned
 
-    buf = io.BytesIO()
-    torch.save({k: (owned(t.detach().cpu()), p) for k, (t, p) in st.tensors.items()}, buf)
-    results.put((tag, buf.getvalue()))
+    # Safetensors + JSON (.state_io), not a pickle the bench would have to unpickle.
+    tensors = {k: (owned(t.detach().cpu()), p) for k, (t, p) in st.tensors.items()}
+    results.put((tag, state_to_bytes(LocalState(tensors, 0, 0))))
 
 
 def restart_worker(rank, world, port, new_cfg, new_layout, ckpt, threads, results, timeout_s,

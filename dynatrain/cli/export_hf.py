@@ -1,7 +1,7 @@
 """``dynatrain export-hf CHECKPOINT OUT``: a training checkpoint as a Hugging Face checkpoint.
 
 Reads a DCP checkpoint of any layout (a ``step-*`` directory, or the directory holding them:
-the newest is taken) one output shard at a time and writes ``config.json`` plus safetensors
+the newest is taken; a checkpoint root with one job's folder ``<root>/<job>/step-*`` works too) one output shard at a time and writes ``config.json`` plus safetensors
 that ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads unchanged
 (:mod:`dynatrain.trainer.hf_export`).
 """
@@ -29,7 +29,8 @@ def register(sub) -> None:
         "--max-shard-size 500MB",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint directory (step-NNNNNNNN) or a directory of them")
+                   help="a checkpoint directory (step-NNNNNNNN), a directory of them, or a "
+                        "checkpoint root holding one job's folder of them")
     p.add_argument("out", metavar="OUT", help="output directory (new or empty)")
     p.add_argument("--model", default=None, metavar="M",
                    help="the model the checkpoint holds: a preset "

@@ -63,8 +63,11 @@ def register(sub) -> None:
     p.add_argument("--margin", type=float, default=1.10,
                    help="estimated speedup a voluntary switch needs (default 1.10)")
     p.add_argument("--resume-from", metavar="CHECKPOINT",
-                   help="start from this checkpoint directory (a step-NNNNNNNN dir written "
-                        "under any layout; overrides spec.recovery.resumeFrom)")
+                   help="start from this checkpoint (written under any layout): a "
+                        "step-NNNNNNNN directory, a job's folder of them (the newest is "
+                        "taken), or a checkpoint root of job folders (this job's, else the "
+                        "only one); overrides spec.recovery.resumeFrom. The workers may read "
+                        "it (--checkpoint-source) besides the run's own checkpoints")
     p.add_argument("--restart-on-failure", action="store_true",
                    help="recover from a worker that dies the old way, for comparison: stop "
                         "every worker and start fresh ones from the newest checkpoint "
@@ -109,16 +112,29 @@ def run_job(args) -> int:
     if args.margin < 1.0 or args.cooldown < 0:
         raise UsageError(f"--margin={args.margin} must be >= 1 and --cooldown={args.cooldown} "
                          ">= 0")
+    run_dir = Path(args.run_dir) if args.run_dir else None
     resume = args.resume_from or job.recovery.resume_from
+    if resume and not args.resume_from and job.recovery.checkpoint_dir \
+            and not Path(resume).is_absolute():
+        # A relative spec.recovery.resumeFrom names a checkpoint under the job's checkpoint
+        # root, as on a cluster (there: the claim's mount); locally the root is the run's.
+        if run_dir is None:
+            raise UsageError(f"spec.recovery.resumeFrom={resume!r} is relative to the "
+                             "checkpoint root, which locally is <run dir>/checkpoints: give "
+                             "--run-dir, or --resume-from with the checkpoint's path")
+        resume = str(run_dir / "checkpoints" / resume)
     if resume:
-        from dynatrain.trainer.checkpoint import latest_checkpoint
+        from dynatrain.trainer.checkpoint import CheckpointPathError, latest_checkpoint
 
         if not (Path(resume) / ".metadata").is_file():
-            found = latest_checkpoint(resume) if Path(resume).is_dir() else None
+            try:
+                found = latest_checkpoint(resume, job.name) if Path(resume).is_dir() else None
+            except CheckpointPathError as e:
+                raise UsageError(f"--resume-from: {e}") from None
             if found is None:
                 raise UsageError(f"--resume-from={resume!r} is not a checkpoint (a directory "
                                  "with DCP .metadata) nor a directory holding step-* "
-                                 "checkpoints")
+                                 "checkpoints (directly or in a job's folder)")
             resume = found[0]
     if args.restart_on_failure and not job.recovery.checkpoint_interval:
         raise UsageError("--restart-on-failure needs checkpoints: set "
@@ -129,7 +145,7 @@ def run_job(args) -> int:
         # Found now, not after the whole job has trained.
         raise UsageError(f"the model's output {save_hf!r} (--save-hf / spec.output.hf) exists "
                          "and is not an empty directory; choose a new one")
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="dynatrain-"))
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="dynatrain-"))
     runner = LocalRunner(job, args.job, scenario, run_dir=run_dir, profile=profile,
                          policy=Policy(margin=args.margin, cooldown_s=args.cooldown),
                          metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd,

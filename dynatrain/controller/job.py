@@ -31,6 +31,10 @@ DEFAULT_GLOBAL_BATCH_SIZE = 8
 WORKER_METRICS_PORT = 9400
 """The port the worker serves its metrics on (``operator/cluster.py`` ``METRICS_PORT``): the
 agent cannot have it."""
+WORKER_HEALTH_PORT = 9401
+"""The port the worker serves its health service alone on, in plaintext, for the kubelet's
+probe (``operator/cluster.py`` ``HEALTH_PORT``): the agent cannot have it either."""
+ISSUER_KINDS = ("Issuer", "ClusterIssuer")
 MIN_AGENT_PORT = 1024
 """The worker runs as a non-root user (UID 10001), which cannot bind a lower port."""
 OPERATOR_MOUNTS = {"/etc/dynatrain": "the job file", "/var/run/secrets": "the agent token"}
@@ -92,7 +96,10 @@ class RecoverySpec:
     cluster); ``dynatrain run`` uses ``<run dir>/checkpoints`` instead."""
     checkpoint_keep: int = 2
     resume_from: str = ""
-    """Start the job from this checkpoint (written under any layout)."""
+    """Start the job from this checkpoint (written under any layout). With ``spec.checkpoint``
+    it lies under ``checkpoint_dir`` (the claim's mount: workers load checkpoints from there
+    only): an absolute path under it, or a path relative to it, kept relative here
+    (``other-job/step-00000120``) so that each worker resolves it against its own mount."""
     timeouts: tuple[tuple[str, float], ...] = ()
     """``spec.recovery.timeouts`` as (field, seconds), the hierarchy of
     :class:`~dynatrain.controller.orchestrator.Timeouts` (unset fields keep its defaults)."""
@@ -128,6 +135,9 @@ class JobSpec:
     gpus_per_worker: int = 0
     agent_port: int = 50051
     auth_secret: str | None = None
+    issuer_ref: dict | None = None
+    """``spec.agent.issuerRef`` with its defaults ({name, kind, group}): cert-manager issues
+    the agents' certificates; None: the operator's own per-job CAs."""
     preemption_policy: str = "Switch"
     image: str = ""
     limits: Limits = Limits()
@@ -321,13 +331,16 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     gpus = r.int(res, "gpus", "spec.resources", 0, minimum=0) or 0
     agent = r.obj(spec, "agent", "spec")
     port = r.int(agent, "port", "spec.agent", 50051)
-    if not MIN_AGENT_PORT <= port <= 65535 or port == WORKER_METRICS_PORT:
+    if (not MIN_AGENT_PORT <= port <= 65535
+            or port in (WORKER_METRICS_PORT, WORKER_HEALTH_PORT)):
         r.problems.append(f"spec.agent.port={port} cannot be used: valid ports are "
-                          f"{MIN_AGENT_PORT}..65535 except {WORKER_METRICS_PORT} (the worker "
-                          f"runs as a non-root user, which cannot bind a port below "
-                          f"{MIN_AGENT_PORT}, and serves its metrics on {WORKER_METRICS_PORT})")
+                          f"{MIN_AGENT_PORT}..65535 except {WORKER_METRICS_PORT} and "
+                          f"{WORKER_HEALTH_PORT} (the worker runs as a non-root user, which "
+                          f"cannot bind a port below {MIN_AGENT_PORT}, serves its metrics on "
+                          f"{WORKER_METRICS_PORT} and its health probe on {WORKER_HEALTH_PORT})")
         port = 50051
     secret = r.str(agent, "authSecret", "spec.agent")
+    issuer_ref = _issuer_ref(r, agent.get("issuerRef")) if agent else None
     policy = r.str(spec, "preemptionPolicy", "spec", "Switch",
                    choices=PREEMPTION_POLICIES) or "Switch"
 
@@ -341,14 +354,20 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         mirror = True
     ck = r.obj(spec, "checkpoint", "spec")
     r.str(ck, "claimName", "spec.checkpoint")          # the cluster's volume; checked only
+    ck_path = _checkpoint_path(r, ck) if ck else ""
+    if ck and (name.startswith(".") or any(c in name for c in "/\\\x00")):
+        # The job's checkpoints go in <root>/<name> (trainer.checkpoint.job_checkpoint_dir).
+        r.problems.append(f"metadata.name={name!r} cannot name the job's checkpoint folder "
+                          "under spec.checkpoint.path: use a Kubernetes object name (no '/', "
+                          "no leading '.')")
     recovery = RecoverySpec(
         timeouts=_timeouts(r, r.obj(rec, "timeouts", "spec.recovery")),
         mirror=mirror,
         checkpoint_interval=(r.int(ck, "intervalSteps", "spec.checkpoint", 1000, minimum=1)
                              or 1000) if ck else 0,
-        checkpoint_dir=_checkpoint_path(r, ck) if ck else "",
+        checkpoint_dir=ck_path,
         checkpoint_keep=r.int(ck, "keep", "spec.checkpoint", 2, minimum=1) or 2,
-        resume_from=r.str(rec, "resumeFrom", "spec.recovery") or "")
+        resume_from=_resume_from(r, r.str(rec, "resumeFrom", "spec.recovery") or "", ck_path))
 
     if model is not None and layout is not None:
         from dynatrain.vps.layout import layout_problems
@@ -378,8 +397,30 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    min_workers=min_w, max_workers=max_w, workers=workers, mode=mode,
                    layout=layout, global_batch_size=gbs, training=training,
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
+                   issuer_ref=issuer_ref,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
                    recovery=recovery, save_hf=save_hf)
+
+
+def _issuer_ref(r: _Reader, ref) -> dict | None:
+    """``spec.agent.issuerRef``: {name, kind (Issuer or ClusterIssuer), group} with kind
+    defaulting to Issuer and group to cert-manager.io (the CRD's defaults)."""
+    if ref is None:
+        return None
+    if not isinstance(ref, dict):
+        r.problems.append(f"spec.agent.issuerRef={ref!r} must be an object with name, kind, "
+                          "group")
+        return None
+    unknown = sorted(set(ref) - {"name", "kind", "group"})
+    if unknown:
+        r.problems.append(f"spec.agent.issuerRef: unknown field(s) {', '.join(unknown)}; "
+                          "valid fields: name, kind, group")
+    name = r.str(ref, "name", "spec.agent.issuerRef", required=True)
+    kind = r.str(ref, "kind", "spec.agent.issuerRef", "Issuer", choices=ISSUER_KINDS)
+    group = r.str(ref, "group", "spec.agent.issuerRef", "cert-manager.io")
+    if not name:
+        return None
+    return {"name": name, "kind": kind or "Issuer", "group": group or "cert-manager.io"}
 
 
 def _hf_model(r: _Reader, hf_dir: str, inline) -> ModelSpec | None:
@@ -474,6 +515,26 @@ def _timeouts(r: _Reader, doc: dict) -> tuple[tuple[str, float], ...]:
                               "watchdogSeconds < collectiveSeconds <= prepareSeconds < "
                               "commitSeconds < giveUpSeconds")
     return out
+
+
+def _resume_from(r: _Reader, resume: str, root: str) -> str:
+    """``spec.recovery.resumeFrom``: on a job with a checkpoint claim, a checkpoint under the
+    claim's mount ``root`` (absolute, or relative to it); a worker loads nothing else."""
+    if not resume or not root:
+        return resume
+    parts = resume.strip("/").split("/")
+    if "\x00" in resume or any(p in ("", ".", "..") for p in parts):
+        r.problems.append(f"spec.recovery.resumeFrom={resume!r} must name a checkpoint under "
+                          f"spec.checkpoint.path={root!r} without '.', '..' or empty segments "
+                          "(absolute, or relative to that path, e.g. other-job/step-00000120)")
+        return resume
+    if resume.startswith("/") and root != "/" and not (
+            resume.rstrip("/") == root.rstrip("/") or resume.startswith(root.rstrip("/") + "/")):
+        r.problems.append(f"spec.recovery.resumeFrom={resume!r} is outside "
+                          f"spec.checkpoint.path={root!r}: workers load checkpoints only from "
+                          "the job's checkpoint claim; copy the checkpoint onto the claim, or "
+                          "give a path relative to spec.checkpoint.path")
+    return resume
 
 
 def _checkpoint_path(r: _Reader, ck: dict) -> str:

@@ -135,9 +135,17 @@ class LocalRunner:
         self.next_device = 0
         self.t0 = time.monotonic()
         # Locally the checkpoints live in the run directory, whatever spec.checkpoint.path says
-        # (that is the claim's mount point in a worker pod).
+        # (that is the claim's mount point in a worker pod): the workers' checkpoint root, in
+        # which the job writes its own folder (<root>/<job>/step-N).
         self.checkpoint_dir = str(run_dir / "checkpoints")
-        self.controller.resume_from = resume_from or job.recovery.resume_from
+        resume = resume_from or job.recovery.resume_from
+        # Absolute: a worker reads a relative checkpoint path as relative to its checkpoint
+        # root (as on a cluster), while the user meant this process's working directory.
+        self.controller.resume_from = str(Path(resume).resolve()) if resume else ""
+        self.checkpoint_sources = [self.controller.resume_from] if resume else []
+        """Where else the workers may read a checkpoint from (``--checkpoint-source``): the
+        user's own ``--resume-from`` checkpoint. A worker loads checkpoints only under its
+        roots, whatever a Prepare names."""
         self.restart_on_failure = restart_on_failure
         self.controller.recover_in_memory = not restart_on_failure
         """Recover the old way, for comparison: stop every worker, start fresh ones from the
@@ -191,6 +199,8 @@ class LocalRunner:
                    "--ready-file", str(ready), "--threads", str(self.threads),
                    "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir,
                    "--grace-seconds", f"{self.grace_s:g}"]
+            for source in self.checkpoint_sources:
+                cmd += ["--checkpoint-source", source]
             if self.save_hf:
                 cmd += ["--save-hf", self.save_hf]
             env = {**os.environ, **self.worker_env.get(d, {})}
@@ -306,12 +316,13 @@ class LocalRunner:
 
     def _restart(self, device: int, code) -> None:
         """Checkpoint-and-restart: every worker stops, fresh ones load the newest checkpoint."""
-        from dynatrain.trainer.checkpoint import latest_checkpoint
+        from dynatrain.trainer.checkpoint import job_checkpoint_dir, latest_checkpoint
 
-        found = latest_checkpoint(self.checkpoint_dir)
+        found = latest_checkpoint(self.checkpoint_dir, self.job.name)
         if found is None:
+            where = job_checkpoint_dir(self.checkpoint_dir, self.job.name)
             raise JobFailed(f"worker {device} exited with code {code} and there is no "
-                            f"checkpoint in {self.checkpoint_dir} to restart from")
+                            f"checkpoint in {where} to restart from")
         path, step = found
         self._restart_all(path, step, len(self.controller.members),
                           f"worker {device} exited with code {code}")

@@ -14,10 +14,12 @@ A rank of the loading layout gets the row of the same rank (modulo the saved wor
 layout still gets a state); checkpoints written before the RNG was saved load with ``rng={}``.
 
 :func:`save_checkpoint` is the elastic job's periodic last-resort checkpoint. Every rank of the
-layout calls it at the same step boundary; ranks write into ``root/.step-00000042.tmp``, and
+layout calls it at the same step boundary; ranks write into ``dir/.step-00000042.tmp``, and
 only once every rank has finished does the lowest rank write the metadata, rename the directory
-to ``root/step-00000042`` (atomic), and prune to ``keep`` checkpoints. A ``step-*`` directory is
-therefore always complete, and :func:`latest_checkpoint` ignores anything else. Each also
+to ``dir/step-00000042`` (atomic), and prune to ``keep`` checkpoints. A ``step-*`` directory is
+therefore always complete, and :func:`latest_checkpoint` ignores anything else. ``dir`` is the
+job's own folder under the checkpoint root (:func:`job_checkpoint_dir`, ``<root>/<job>``): a
+claim that several jobs share holds one folder per job, so no job prunes another's steps. Each also
 records the model it holds as JSON (:data:`MODEL_RECORD`: the spec's fields and, for a model
 imported from Hugging Face, that checkpoint's config.json), so it can be exported without
 naming the model again (:mod:`.hf_export`).
@@ -38,13 +40,21 @@ result is the checkpoint ``dcp.save`` writes with a registered group: DCP's own 
 of replicas and coverage checks, data files named by DCP, one ``.metadata``, and ordinary DCP
 loading (with resharding) by :func:`load_state`. Any rank's failure in any phase is raised on
 every rank, naming the rank, so no rank renames a half-written checkpoint or waits for ever.
+
+Nothing read from outside this process is unpickled. Checkpoint files are written by whoever
+can write the volume, and a checkpoint path may arrive in a Prepare or a job's
+``spec.recovery.resumeFrom``: a path is accepted only under the job's checkpoint roots
+(:func:`check_checkpoint_path`); DCP's ``.metadata`` (a pickle by DCP's design) is read by
+:class:`~.dcp_planners.SafeFileSystemReader`, which rebuilds only DCP's own metadata classes;
+tensor data is read by ``torch.load(weights_only=True)``, and items DCP would ``torch.load``
+in full (``BytesIO`` ones, which we never write) are refused. The plans the ranks exchange
+while saving travel as JSON (:func:`~.dcp_planners.encode_plan`), not pickles.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
 import time
@@ -58,8 +68,12 @@ from dynatrain.vps import abandon
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.regions import piece_view
 
+from .checkpoint_errors import CheckpointError, CheckpointPathError, UnsafeCheckpointError
 from .trainer import LocalState
 from .weights import TORCH_DTYPES
+
+__all__ = ["CheckpointError", "CheckpointPathError", "UnsafeCheckpointError"]
+"""Not the whole API: the errors, re-exported from :mod:`.checkpoint_errors` (see there)."""
 
 _SCALARS = "__dynatrain_scalars__"
 _RNG = "__dynatrain_rng_cpu__"
@@ -69,8 +83,42 @@ MODEL_RECORD = "model.json"
 """The model a checkpoint holds, as JSON (never pickle: it is read back by tools)."""
 
 
-class CheckpointError(RuntimeError):
-    """A collective checkpoint save failed; the message names the rank(s) and the reason."""
+def job_checkpoint_dir(root, job: str) -> str:
+    """Where job ``job`` writes its checkpoints under the checkpoint root ``root`` (a claim
+    several jobs may share): its own sub-folder, so that no job prunes another's steps."""
+    if (not isinstance(job, str) or not job or job.startswith(".") or "/" in job
+            or "\\" in job or "\x00" in job):
+        raise CheckpointPathError(f"job name {job!r} cannot name a checkpoint folder: it must "
+                                  "be a non-empty name without '/', '\\' or a leading '.' "
+                                  "(a Kubernetes object name is one)")
+    return os.path.join(os.fspath(root), job)
+
+
+def check_checkpoint_path(path, roots) -> str:
+    """``path`` resolved (symlinks and ``..`` followed) if it lies inside one of ``roots``;
+    else :class:`CheckpointPathError` naming the path and the roots.
+
+    Loading a checkpoint reads files that decide what runs in every worker, so a path that
+    arrives over the network (a Prepare, ``spec.recovery.resumeFrom``) is accepted only under
+    the job's own checkpoint root. A relative ``path`` is relative to the first root (the
+    claim's mount, ``--checkpoint-dir``): ``other-job/step-00000120`` names a checkpoint on the
+    volume the same way on every worker, whatever the volume's mount point.
+    """
+    text = os.fspath(path)
+    allowed = [os.path.realpath(os.fspath(r)) for r in roots if os.fspath(r)]
+    if not allowed:
+        raise CheckpointPathError(f"checkpoint {text!r} refused: this worker has no checkpoint "
+                                  "root (--checkpoint-dir / spec.checkpoint) to read from")
+    if not isinstance(text, str) or not text or "\x00" in text:
+        raise CheckpointPathError(f"checkpoint {text!r} is not a path")
+    real = os.path.realpath(os.path.join(allowed[0], text))   # an absolute text stays itself
+    for root in allowed:
+        if os.path.commonpath([real, root]) == root:
+            return real
+    raise CheckpointPathError(f"checkpoint {text!r} (resolved {real!r}) is outside the job's "
+                              f"checkpoint root{'s' if len(allowed) > 1 else ''} "
+                              f"{', '.join(map(repr, allowed))}; only checkpoints under it "
+                              "are loaded")
 
 
 def _fqn(name: str, state: str) -> str:
@@ -156,10 +204,11 @@ def load_state(bound, rank: int, path: str, device=None) -> LocalState:
 
     Reads in this process only (no collective), so any number of ranks of any layout can load
     the same checkpoint. ``rng`` is ``{"cpu": ByteTensor}`` when the checkpoint has RNG states.
+    Raises :class:`UnsafeCheckpointError` for a checkpoint whose files would run code or read
+    outside it (see the module's last paragraph); the caller checks ``path`` against the job's
+    roots first where it came from elsewhere (:func:`check_checkpoint_path`).
     """
-    import torch.distributed.checkpoint as dcp
-
-    from .dcp_planners import PieceLoadPlanner
+    from .dcp_planners import PieceLoadPlanner, load_pieces
 
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, _METADATA)):
@@ -174,9 +223,7 @@ def load_state(bound, rank: int, path: str, device=None) -> LocalState:
     scalars = torch.zeros(2, dtype=torch.int64)
     chunks[_SCALARS] = [((0,), scalars)]
     planner = PieceLoadPlanner(chunks, rng_key=_RNG, rng_row=rank)
-    with warnings.catch_warnings():  # a single-process load is exactly what we ask for
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load({}, checkpoint_id=path, planner=planner, no_dist=True)
+    load_pieces(path, planner)
     if device is not None:
         tensors = {k: (t.to(device), p) for k, (t, p) in tensors.items()}
     rng = {"cpu": planner.chunks[_RNG][0][1][0].clone()} if _RNG in planner.chunks else {}
@@ -225,12 +272,17 @@ def _all_gather_object(group, obj) -> list:
     """Every rank's ``obj``, in group-rank order.
 
     Uses only the group's own ``allgather``: ``dist.all_gather_object`` also works on a group
-    built directly, but through a path torch warns is deprecated for such groups.
+    built directly, but through a path torch warns is deprecated for such groups (and it
+    pickles: a peer's bytes would be unpickled here). ``obj`` travels as JSON
+    (:func:`~.dcp_planners.encode_plan`: plain values and DCP's plan dataclasses by an
+    allowlisted name), so a rank can only ever receive data.
     """
+    from .dcp_planners import decode_plan, encode_plan
+
     if group is None:
         return [obj]
     device = _group_device(group)
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(encode_plan(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(group.size())]
     _wait(group.allgather([sizes], [size]))
@@ -239,7 +291,7 @@ def _all_gather_object(group, obj) -> list:
     buf[:data.numel()] = data.to(device)
     bufs = [torch.empty_like(buf) for _ in range(group.size())]
     _wait(group.allgather([bufs], [buf]))
-    return [pickle.loads(b[:int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
+    return [decode_plan(b[:int(s)].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes)]
 
 
 def _phase(group, what: str, fn) -> list:
@@ -282,9 +334,13 @@ def _complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest_checkpoint(root) -> tuple[str, int] | None:
+def latest_checkpoint(root, job: str = "") -> tuple[str, int] | None:
     """(path, step) of the newest complete checkpoint under ``root``; None if there is none.
 
+    ``root`` is a job's folder (``step-*`` directly in it, as every root was before jobs had
+    folders of their own) or a checkpoint root of job folders: with ``job``, that job's folder
+    (:func:`job_checkpoint_dir`) is looked in first; otherwise the only job folder that holds
+    checkpoints (several are ambiguous: :class:`CheckpointPathError` names them).
     Directories of saves still in progress or interrupted (``.step-*.tmp``) are never complete.
     """
     root = os.fspath(root)
@@ -293,7 +349,22 @@ def latest_checkpoint(root) -> tuple[str, int] | None:
     if not os.path.isdir(root):
         raise NotADirectoryError(f"checkpoint root {root!r} exists but is not a directory; "
                                  "pass the directory the checkpoints are saved in")
+    if job:
+        mine = job_checkpoint_dir(root, job)
+        found = _complete_checkpoints(mine) if os.path.isdir(mine) else []
+        if found:
+            return found[-1][1], found[-1][0]
     found = _complete_checkpoints(root)
+    if not found:
+        jobs = sorted((e.name, c) for e in os.scandir(root)
+                      if e.is_dir() and not e.name.startswith(".")
+                      and not _STEP_DIR.fullmatch(e.name) and (c := _complete_checkpoints(e.path)))
+        if len(jobs) > 1:
+            raise CheckpointPathError(
+                f"checkpoint root {root!r} holds the checkpoints of several jobs "
+                f"({', '.join(n for n, _ in jobs)}): name one, e.g. "
+                f"{os.path.join(root, jobs[0][0])!r}")
+        found = jobs[0][1] if jobs else []
     if not found:
         return None
     step, path = found[-1]
@@ -317,15 +388,17 @@ def _prune(root: str, current: int, keep: int) -> None:
 
 
 def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: int | None = None,
-                    group_size: int | None = None, keep: int = 2,
-                    hf_source: str = "") -> SavedCheckpoint:
-    """Save the job's state at ``state.step`` as ``root/step-00000042``; collective.
+                    group_size: int | None = None, keep: int = 2, hf_source: str = "",
+                    job: str = "") -> SavedCheckpoint:
+    """Save the job's state at ``state.step`` as ``root/<job>/step-00000042`` (with ``job``,
+    the job's own folder, :func:`job_checkpoint_dir`) or ``root/step-00000042``; collective.
 
     Every rank of the layout calls it at the same step boundary with its own ``state``.
     ``group`` is the layout's whole world (``ParallelGroups.world``; None for one rank), any
     process-group object (a ``ProcessGroupGloo`` built directly works; no default process group
     is needed). ``group_rank`` / ``group_size``, if given, are checked against the group. ``root``
-    must be storage every rank sees (one shared directory); it belongs to this job.
+    must be storage every rank sees (one shared directory); the folder the steps go in (and
+    that ``keep`` prunes) belongs to this job alone, which ``job`` ensures on a shared root.
     Returns when the checkpoint is complete and in place on every rank; raises
     :class:`CheckpointError` on every rank if any rank failed, leaving no ``step-*`` directory.
     ``hf_source``: the Hugging Face directory the model came from, for the model record.
@@ -345,7 +418,7 @@ def save_checkpoint(state: LocalState, model, root, *, group=None, group_rank: i
                                                            and group_size != size):
         raise ValueError(f"group_rank={group_rank}, group_size={group_size} do not match the "
                          f"group (rank {rank} of {size})")
-    root = os.fspath(root)
+    root = job_checkpoint_dir(root, job) if job else os.fspath(root)
     name = checkpoint_name(state.step)
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
     coordinator = rank == 0

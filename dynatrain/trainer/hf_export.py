@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from dynatrain.vps.hf import (CONFIG, INDEX_FILE, SINGLE_FILE, arch_for, export_
                               hf_config)
 from dynatrain.vps.model import ModelSpec
 
-from .checkpoint import _METADATA, _fqn, latest_checkpoint, read_model_record
+from .checkpoint import (_METADATA, CheckpointError, CheckpointPathError, _fqn, latest_checkpoint,
+                         read_model_record)
 
 DEFAULT_MAX_SHARD = "2GB"
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -74,24 +74,31 @@ def parse_size(text: str | int) -> int:
 
 
 def resolve_checkpoint(path) -> str:
-    """A complete checkpoint directory: ``path`` itself, or the newest ``step-*`` in it."""
+    """A complete checkpoint directory: ``path`` itself, or the newest ``step-*`` in it (a job's
+    folder), or in the only job folder of a checkpoint root (``<root>/<job>/step-*``)."""
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, _METADATA)):
         return path
     if not os.path.isdir(path):
         raise ExportError(f"checkpoint {path!r} does not exist")
-    found = latest_checkpoint(path)
+    try:
+        found = latest_checkpoint(path)
+    except CheckpointPathError as e:      # a root of several jobs' folders
+        raise ExportError(str(e)) from None
     if found is None:
         raise ExportError(f"{path!r} is neither a complete checkpoint (no {_METADATA}) nor a "
-                          "directory of step-* checkpoints")
+                          "directory of step-* checkpoints (or of job folders holding them)")
     return found[0]
 
 
 def _saved_params(path: str, model: ModelSpec) -> torch.dtype:
     """Check the checkpoint holds every parameter of ``model`` in full; their dtype."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from .dcp_planners import read_metadata_file
 
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    try:       # never pickle.load: the volume's writers decide what this file holds
+        saved = read_metadata_file(os.path.join(path, _METADATA)).state_dict_metadata
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     dtypes, problems = set(), []
     for t in model.tensors:
         md = saved.get(_fqn(t.name, "param"))
@@ -129,9 +136,7 @@ def _plan_shards(items: list, max_bytes: int) -> list[list]:
 def _load_boxes(path: str, shard: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The shard's tensors, each its box of the saved parameters (an expert's box of a stacked
     tensor is that expert's tensor), by one DCP load."""
-    import torch.distributed.checkpoint as dcp
-
-    from .dcp_planners import PieceLoadPlanner
+    from .dcp_planners import PieceLoadPlanner, load_pieces
 
     chunks: dict[str, list] = {}
     out = {}
@@ -139,10 +144,10 @@ def _load_boxes(path: str, shard: list, dtype: torch.dtype) -> dict[str, torch.T
         buf = torch.empty(box_extents(box), dtype=dtype)
         chunks.setdefault(_fqn(vps_name, "param"), []).append((tuple(a for a, _ in box), buf))
         out[hf_name] = buf.view(hf_shape)
-    with warnings.catch_warnings():  # a single-process load is exactly what we ask for
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load({}, checkpoint_id=path, planner=PieceLoadPlanner(chunks, rng_key=""),
-                 no_dist=True)
+    try:
+        load_pieces(path, PieceLoadPlanner(chunks, rng_key=""))
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     return out
 
 

@@ -12,7 +12,6 @@ device, the queue and its watchdog) for any per-rank body: training here, evalua
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import queue as queue_mod
 import socket
@@ -31,6 +30,7 @@ from . import processes
 from .config import TrainConfig, make_config
 from .groups import build_groups
 from .state import FullState, assemble_full, local_from_full
+from .state_io import state_from_bytes, state_to_bytes
 from .trainer import LocalState, Trainer
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DYNATRAIN_TRAIN_TIMEOUT_S", "900"))
@@ -101,10 +101,9 @@ def _train_rank(rank: int, device: torch.device, results, config: TrainConfig, s
         st = trainer.local_state()
         cpu = {k: (t.detach().cpu(), p) for k, (t, p) in st.tensors.items()}
         # Bytes, not tensors: a queued tensor is a shared-memory handle that dies with
-        # this process if it exits before the parent has read it.
-        buf = io.BytesIO()
-        torch.save(LocalState(cpu, st.step, st.data_position), buf)
-        results.put(("state", buf.getvalue()))
+        # this process if it exits before the parent has read it. Safetensors + JSON, not a
+        # pickle: the parent reads it without running anything (.state_io).
+        results.put(("state", state_to_bytes(LocalState(cpu, st.step, st.data_position))))
     if save_to:  # a DCP checkpoint of the final state (collective over the default group)
         from .checkpoint import save_state
 
@@ -133,7 +132,7 @@ def run_local(config: TrainConfig, steps: int, *, backend: str = "auto", progres
             if progress:
                 progress(step, steps, loss, sec, tps)
         else:
-            states.append(torch.load(io.BytesIO(payload), weights_only=False))
+            states.append(state_from_bytes(payload, source="a rank's final state")[0])
 
     run_ranks(_train_rank, (config, steps, want_state, start, save_to), world=world,
               backend=backend, messages=steps + (world if want_state else 0),

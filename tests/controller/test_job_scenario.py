@@ -177,3 +177,39 @@ def test_run_help_shows_an_example(capsys):
         main(["run", "--help"])
     out = capsys.readouterr().out
     assert "--scenario" in out and "examples/quickstart.yaml" in out
+
+
+@pytest.mark.parametrize("resume, ok", [
+    ("/checkpoints/other/step-00000012", True),
+    ("other/step-00000012", True),                 # relative to spec.checkpoint.path, kept so
+    ("/data/other/step-00000012", False),          # outside the claim
+    ("/checkpoints-evil/step-1", False),           # a prefix of the name is not under it
+    ("/checkpoints/../etc/step-1", False),
+    ("../elsewhere/step-1", False),
+])
+def test_resume_from_of_a_job_with_a_checkpoint_claim_must_be_on_the_claim(resume, ok):
+    doc = _quickstart()
+    doc["spec"]["checkpoint"] = {"claimName": "ckpt", "path": "/checkpoints"}
+    doc["spec"]["recovery"] = {"resumeFrom": resume}
+    if ok:
+        assert job_from_manifest(doc).recovery.resume_from == resume
+        return
+    with pytest.raises(JobError) as e:
+        job_from_manifest(doc)
+    assert f"spec.recovery.resumeFrom={resume!r}" in str(e.value), e.value
+    assert "spec.checkpoint.path='/checkpoints'" in str(e.value), e.value
+
+
+def test_resume_from_without_a_claim_is_a_local_path():
+    doc = _quickstart()                            # no spec.checkpoint: `dynatrain run` only
+    doc["spec"]["recovery"] = {"resumeFrom": "../runs/first/checkpoints"}
+    assert job_from_manifest(doc).recovery.resume_from == "../runs/first/checkpoints"
+
+
+def test_a_checkpointing_job_needs_a_name_that_can_be_its_checkpoint_folder():
+    doc = _quickstart()
+    doc["spec"]["checkpoint"] = {"claimName": "ckpt"}
+    doc["metadata"]["name"] = "../other"
+    with pytest.raises(JobError, match=r"metadata.name='\.\./other' cannot name the job's "
+                                       "checkpoint folder"):
+        job_from_manifest(doc)

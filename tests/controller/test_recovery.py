@@ -95,13 +95,16 @@ def test_when_no_copy_survives_and_there_is_no_checkpoint_the_job_stops_and_says
 def test_a_job_starts_from_a_checkpoint_written_under_another_layout(tmp_path):
     first = _job(tmp_path, "dp=2,zero=1", steps=6, checkpoint=3, name="first")
     _run(tmp_path, first, "--scenario", str(_scenario(tmp_path)))
-    ckpt = tmp_path / "run" / "checkpoints" / "step-00000006"
+    # In the job's own folder of the run's checkpoint root (<root>/<job>/step-N).
+    ckpt = tmp_path / "run" / "checkpoints" / "first" / "step-00000006"
     assert (ckpt / ".metadata").is_file()
-    # The same job, continued under another layout from the directory of checkpoints
+    # The same job, continued under another layout from the checkpoint root (its only job
+    # folder is found), in a run directory of its own: the workers read the checkpoint
+    # because the runner names it as a --checkpoint-source, besides their own root.
     second = _job(tmp_path, "tp=2,pp=2", steps=9, name="second")
-    out, stdout = _run(tmp_path, second, "--resume-from", str(ckpt.parent), "--run-dir",
-                       str(tmp_path / "run2"))
-    assert out["steps"] == 9 and "started from checkpoint" in stdout
+    out, stdout = _run(tmp_path, second, "--resume-from", str(ckpt.parent.parent),
+                       "--run-dir", str(tmp_path / "run2"))
+    assert out["steps"] == 9 and f"started from checkpoint {ckpt} at step 6" in stdout
     assert len(out["losses"]) == 3 and out["samples_exactly_once"]
 
 
