@@ -9,10 +9,20 @@ but the health probe must come from the controller. Two mechanisms, usable alone
   is re-read whenever it changes on disk, because Kubernetes updates mounted Secrets in place
   when they are rotated, and the agent lives as long as the training run.
 * **Mutual TLS.** :func:`server_credentials` requires a client certificate signed by the given
-  CA; :func:`channel_credentials` builds the controller's side from PEM files.
+  CA; :func:`channel_credentials` builds the controller's side from PEM files
+  (:class:`TlsFiles`) or from bytes held in memory (:class:`ClientTls`, what the operator reads
+  from its job's PKI Secret). On a cluster the worker serves from a directory
+  (:class:`ServerTlsDir`: ``tls.crt``, ``tls.key``, ``client-ca.crt``, a mounted Secret) whose
+  files are re-read when they change, so a rotated certificate reaches new connections without
+  a restart; and the caller's certificate must also *name* the operator
+  (:func:`client_name_problem`: its subject CN or a DNS SAN), since a certificate signed by
+  the client CA is not enough on its own if that CA ever signs anything else.
 
 The standard health service (``/grpc.health.v1.Health/``) stays open without a token: kubelet
-probes and load balancers cannot send one, and it discloses nothing beyond "serving".
+probes and load balancers cannot send one, and it discloses nothing beyond "serving". (Over
+TLS the handshake still needs a client certificate, which the kubelet cannot present: the
+agent's server therefore also serves health alone on a plaintext port, see
+:func:`dynatrain.agent.server.serve`.)
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +256,34 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
                                        require_client_auth=True)
 
 
-def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+@dataclass(frozen=True)
+class ClientTls:
+    """The client side of mutual TLS, held in memory (PEM bytes).
+
+    ``ca`` is the CA that signs the agents' serving certificates; ``cert``/``key`` the
+    client's own certificate chain and private key; ``server_name`` the name to verify the
+    server's certificate against when the dialled address (a pod IP) is not in it, e.g.
+    ``<pod>.<job>-workers.<namespace>.svc``.
+    """
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    server_name: str | None = None
+
+    def __post_init__(self):
+        for what, value in (("ca", self.ca), ("cert", self.cert), ("key", self.key)):
+            if not isinstance(value, bytes) or b"-----BEGIN" not in value:
+                raise AuthConfigError(f"ClientTls.{what} must be PEM bytes (with a "
+                                      f"'-----BEGIN' line); got {type(value).__name__} "
+                                      f"of length {len(value) if value is not None else 0}")
+
+
+def channel_credentials(tls: TlsFiles | ClientTls) -> grpc.ChannelCredentials:
     """Client credentials trusting ``tls.ca`` and presenting ``tls.cert``/``tls.key`` if set."""
+    if isinstance(tls, ClientTls):
+        return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                            certificate_chain=tls.cert)
     if (tls.cert is None) != (tls.key is None):
         raise AuthConfigError("a TLS client certificate needs its key and the other way round "
                               f"(got cert={tls.cert!r}, key={tls.key!r})")
@@ -256,8 +294,143 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
                                         certificate_chain=chain)
 
 
-def channel_options(tls: TlsFiles | None) -> list[tuple[str, object]]:
+def channel_options(tls: TlsFiles | ClientTls | None) -> list[tuple[str, object]]:
     """Channel options that go with ``tls`` (the server-name override, if any)."""
     if tls is not None and tls.server_name:
         return [("grpc.ssl_target_name_override", tls.server_name)]
     return []
+
+
+# ----------------------------------------------------------------------------------------------
+# Mutual TLS from a directory that rotates (a mounted Secret), and the caller's name
+
+TLS_CERT, TLS_KEY, TLS_CLIENT_CA = "tls.crt", "tls.key", "client-ca.crt"
+DEFAULT_CLIENT_NAME = "dynatrain-operator"
+
+
+def _check_pair(chain: bytes, key: bytes, where: str) -> None:
+    """Raise :class:`AuthConfigError` unless ``key`` is the private key of ``chain``'s first
+    certificate. Files rewritten one at a time pass through states where they do not match;
+    serving such a pair would fail every handshake, so it is refused like a failed read."""
+    try:
+        cert = x509.load_pem_x509_certificate(chain)
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as e:
+        raise AuthConfigError(f"the TLS files in {where} cannot be loaded: {e}") from None
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if cert.public_key().public_bytes(*fmt) != private.public_key().public_bytes(*fmt):
+        raise AuthConfigError(f"{TLS_KEY} in {where} is not the key of {TLS_CERT}")
+
+
+class ServerTlsDir:
+    """Server-side mutual TLS from ``DIR/tls.crt``, ``DIR/tls.key`` and ``DIR/client-ca.crt``,
+    re-read when they change on disk.
+
+    The files must be usable when this object is made (:class:`AuthConfigError` otherwise,
+    naming the file). :meth:`credentials` gives gRPC dynamic credentials whose fetcher runs at
+    every new handshake: one ``stat`` per file, and a read only when a file's modification
+    time, size or inode changed (a Kubernetes Secret update swaps a symlink). If the new files
+    cannot be read, or the key does not match the certificate (files copied one by one), the
+    last good configuration stays in force, a warning is logged once per change, and the
+    next handshake tries again. Connections already open keep the certificate they were made
+    with; a client that needs the new one opens a new connection.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise AuthConfigError(f"the TLS directory {str(directory)!r} does not exist or is "
+                                  f"not a directory; it must hold {TLS_CERT}, {TLS_KEY} and "
+                                  f"{TLS_CLIENT_CA}")
+        self._lock = threading.Lock()
+        self._signature = self._stat()
+        self._failed_signature = None
+        self.config = self._read()        # raises if unusable
+        self.reloads = 0
+        """How many times new files were taken into use (for logs and tests)."""
+
+    def _paths(self) -> tuple[Path, Path, Path]:
+        return (self.directory / TLS_CERT, self.directory / TLS_KEY,
+                self.directory / TLS_CLIENT_CA)
+
+    def _stat(self) -> tuple:
+        out = []
+        for path in self._paths():
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append(None)
+            else:
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def _read(self) -> grpc.ServerCertificateConfiguration:
+        cert_path, key_path, ca_path = self._paths()
+        chain = _read_pem(cert_path, "server certificate")
+        key = _read_pem(key_path, "server private key")
+        ca = _read_pem(ca_path, "client CA certificate")
+        _check_pair(chain, key, str(self.directory))
+        return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's certificate fetcher: a new configuration when the files changed, else None
+        (keep the current one). Never raises: gRPC runs it inside a handshake."""
+        signature = self._stat()
+        if signature == self._signature:
+            return None
+        with self._lock:
+            if signature == self._signature:
+                return None
+            try:
+                config = self._read()
+            except AuthConfigError as e:
+                if signature != self._failed_signature:
+                    log.warning("%s; keeping the previous TLS certificate", e)
+                    self._failed_signature = signature
+                return None
+            except Exception as e:      # never let a handshake die in here
+                log.warning("re-reading the TLS files in %s failed (%s: %s); keeping the "
+                            "previous TLS certificate", self.directory, type(e).__name__, e)
+                return None
+            self._signature, self._failed_signature = signature, None
+            self.config = config
+            self.reloads += 1
+            log.info("re-read the TLS files in %s after they changed", self.directory)
+            return config
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self.config, self.fetch,
+                                                   require_client_authentication=True)
+
+
+def _as_text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def client_names(auth_context: dict) -> list[str]:
+    """The names a caller's certificate carries (subject CN, then subject alternative
+    names), from gRPC's ``context.auth_context()``; empty without a client certificate."""
+    names = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in (auth_context or {}).get(key, ()):
+            name = _as_text(value)
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def client_name_problem(auth_context: dict, expected: str) -> str | None:
+    """Why a caller with ``auth_context`` is not ``expected`` (None if it is): its client
+    certificate must carry ``expected`` as its subject CN or a subject alternative name."""
+    names = client_names(auth_context)
+    if expected in names:
+        return None
+    security = ",".join(_as_text(v) for v in (auth_context or {})
+                        .get("transport_security_type", ())) or "none"
+    if not names:
+        return (f"the caller presented no client certificate names (transport security: "
+                f"{security}); expected a certificate for {expected!r}")
+    shown = ", ".join(repr(n[:100]) for n in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return (f"the caller's certificate names {shown}{more}, not {expected!r}: only "
+            f"{expected!r} may call this agent (--tls-client-name)")

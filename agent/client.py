@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,24 +47,29 @@ class AgentCallError(Exception):
 class AgentClient:
     """A connection to the agent at ``address`` (``host:port``).
 
-    Authenticate with ``token`` or ``token_file`` (re-read when it changes), with ``tls``
-    (:class:`~dynatrain.agent.auth.TlsFiles`: the CA of the agent's certificate and this
+    Authenticate with ``token`` (a string, or a callable asked for the token at every call, so
+    that a rotated token is picked up without a new client) or ``token_file`` (re-read when it
+    changes), with ``tls`` (:class:`~dynatrain.agent.auth.TlsFiles` or, in memory,
+    :class:`~dynatrain.agent.auth.ClientTls`: the CA of the agent's certificate and this
     client's certificate and key), or both. ``timeout_s`` is the deadline of every call except
     Commit, whose deadline is its switch timeout plus ``timeout_s``.
     """
 
-    def __init__(self, address: str, *, token: str | None = None,
-                 token_file: str | os.PathLike | None = None, tls: auth.TlsFiles | None = None,
-                 timeout_s: float = 10.0):
+    def __init__(self, address: str, *, token: str | Callable[[], str] | None = None,
+                 token_file: str | os.PathLike | None = None,
+                 tls: auth.TlsFiles | auth.ClientTls | None = None, timeout_s: float = 10.0):
         if token is not None and token_file is not None:
             raise ValueError("pass token or token_file, not both")
-        if token is not None and not token.strip():
+        if isinstance(token, str) and not token.strip():
             raise ValueError("token is empty")
+        if token is not None and not isinstance(token, str) and not callable(token):
+            raise TypeError(f"token must be a string or a callable returning one, not "
+                            f"{type(token).__name__}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid; expected seconds > 0")
         self.address = address
         self.timeout_s = float(timeout_s)
-        self._token = token.strip() if token is not None else None
+        self._token = token.strip() if isinstance(token, str) else token
         self._token_file = auth.TokenFile(token_file) if token_file is not None else None
         options = _CHANNEL_OPTIONS + auth.channel_options(tls)
         if tls is not None:
@@ -78,8 +83,19 @@ class AgentClient:
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         # Plain metadata rather than call credentials: gRPC sends call credentials only over
-        # TLS, and the token alone (without TLS) is a supported setup.
-        token = self._token_file.get() if self._token_file is not None else self._token
+        # TLS, and the token alone (without TLS) is a supported setup; over TLS the metadata
+        # is encrypted like the rest of the call.
+        if self._token_file is not None:
+            token = self._token_file.get()
+        elif callable(self._token):
+            token = self._token()
+            if not isinstance(token, str) or not token.strip():
+                raise ValueError(f"the token callable returned {type(token).__name__} "
+                                 f"{'(empty)' if isinstance(token, str) else ''}; expected "
+                                 "the bearer token")
+            token = token.strip()
+        else:
+            token = self._token
         return auth.bearer_metadata(token) if token is not None else ()
 
     def _call(self, method: str, make_request, timeout_s: float):
@@ -90,8 +106,13 @@ class AgentClient:
                                  f"the request cannot be encoded: {e}", self.address,
                                  method) from None
         try:
-            return getattr(self._stub, method)(request, timeout=timeout_s,
-                                               metadata=self._metadata())
+            metadata = self._metadata()
+        except Exception as e:   # the caller's token source failed: nothing was sent
+            raise AgentCallError(grpc.StatusCode.UNAUTHENTICATED,
+                                 f"no bearer token to send: {type(e).__name__}: {e}",
+                                 self.address, method) from None
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             raise AgentCallError(e.code(), e.details() or "", self.address, method) from None
 

@@ -30,6 +30,12 @@ under a lock, so an RPC (good or bad) never blocks or crashes a step. The agent'
 :mod:`dynatrain.agent.worker_control`, the training loop :mod:`dynatrain.agent.worker_loop`;
 this module is the process around them (``python -m dynatrain.agent.worker``): its command
 line, torch's warm-up, the agent's servers, signals and the watch on the parent process.
+
+On a cluster the agent serves mutual TLS from the job's Secret (``--tls-dir``; the caller's
+certificate must name ``--tls-client-name``) with the bearer token as a second factor, and the
+health service alone on a plaintext ``--health-port`` for the kubelet's probe. A Prepare's
+rendezvous store must be on the caller's own address (or an ``--allow-rendezvous`` host), and
+its checkpoint under ``--checkpoint-dir`` or a ``--checkpoint-source``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from dynatrain.trainer.backend import (BACKENDS, BackendError, asked_for, cuda_i
                                        job_backend, torch_device)
 from dynatrain.trainer.trainer import warm_up
 
+from .auth import DEFAULT_CLIENT_NAME, AuthConfigError
 from .metrics import REASONS, Metrics
 from .server import serve
 from .worker_control import DEFAULT_GRACE_S
@@ -84,8 +91,23 @@ def main(argv=None) -> int:
     parser.add_argument("--token-file", help="file holding the callers' bearer token")
     parser.add_argument("--insecure", action="store_true",
                         help="accept unauthenticated callers (tests on loopback only)")
-    parser.add_argument("--ready-file", help="write {agent_port, metrics_port, pid} here "
-                        "once serving")
+    parser.add_argument("--tls-dir", metavar="DIR",
+                        help="serve mutual TLS: DIR/tls.crt and DIR/tls.key are the serving "
+                             "certificate, callers need a certificate signed by "
+                             "DIR/client-ca.crt; the files are re-read when they change "
+                             "(a rotated Secret needs no restart)")
+    parser.add_argument("--tls-client-name", default=DEFAULT_CLIENT_NAME, metavar="NAME",
+                        help="with --tls-dir, the name (subject CN or DNS SAN) the caller's "
+                             "certificate must carry (default: %(default)s)")
+    parser.add_argument("--health-port", type=int, default=0, metavar="PORT",
+                        help="also serve the gRPC health service, and only it, in plaintext "
+                             "on PORT, for the kubelet's probe (it has no client certificate); "
+                             "0 (default): no separate health port")
+    parser.add_argument("--allow-rendezvous", action="append", default=[], metavar="HOST",
+                        help="a rendezvous host a Prepare may name besides the caller's own "
+                             "address (repeatable; for NAT or a service mesh)")
+    parser.add_argument("--ready-file", help="write {agent_port, metrics_port, health_port, "
+                        "pid} here once serving")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the local runner) is gone")
@@ -95,7 +117,11 @@ def main(argv=None) -> int:
                              "%(default)g); it reports this as its notice")
     parser.add_argument("--checkpoint-dir", default="",
                         help="where periodic checkpoints go (default: the job's "
-                             "spec.recovery.checkpoint.dir)")
+                             "spec.recovery.checkpoint.dir); a Prepare's checkpoint must lie "
+                             "under it or under a --checkpoint-source")
+    parser.add_argument("--checkpoint-source", action="append", default=[], metavar="DIR",
+                        help="a further directory a Prepare may start from a checkpoint in "
+                             "(repeatable; e.g. the local runner's --resume-from)")
     parser.add_argument("--save-hf", default="", metavar="OUT",
                         help="when the job completes, write the trained model to OUT as a "
                              "Hugging Face checkpoint (default: the job's spec.output.hf)")
@@ -107,6 +133,12 @@ def main(argv=None) -> int:
                         help="with NCCL, the visible GPU to use (default: LOCAL_RANK if set, "
                              "else 0: a pod sees only the GPUs its device plugin gave it)")
     args = parser.parse_args(argv)
+    if not 0 <= args.health_port <= 65535:
+        parser.error(f"--health-port {args.health_port} is invalid; expected 1..65535, or 0 "
+                     "for none")
+    if args.tls_dir and not Path(args.tls_dir).is_dir():
+        parser.error(f"--tls-dir {args.tls_dir!r} is not a directory; it must hold tls.crt, "
+                     "tls.key and client-ca.crt")
     if args.threads:
         torch.set_num_threads(args.threads)
     job = load_job(args.job)
@@ -123,7 +155,8 @@ def main(argv=None) -> int:
     metrics = Metrics(namespace=job.namespace, job=job.name, reasons=REASONS)
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
     worker = Worker(job, args.device, backend=backend, torch_device=device, metrics=metrics,
-                    checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf)
+                    checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf,
+                    checkpoint_sources=args.checkpoint_source)
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()
@@ -133,8 +166,15 @@ def main(argv=None) -> int:
     if job.recovery.checkpoint_interval and worker.checkpoint_dir:
         # DCP is imported lazily (~1.4 s); a job that checkpoints pays it here, not in a step.
         import dynatrain.trainer.dcp_planners  # noqa: F401
-    server = serve(worker, host=args.host, port=args.agent_port, token_file=args.token_file,
-                   insecure=args.insecure)
+    try:
+        server = serve(worker, host=args.host, port=args.agent_port,
+                       token_file=args.token_file, tls_dir=args.tls_dir or None,
+                       client_name=args.tls_client_name if args.tls_dir else None,
+                       health_port=args.health_port, allow_rendezvous=args.allow_rendezvous,
+                       insecure=args.insecure)
+    except (AuthConfigError, ValueError, OSError) as e:     # one line, before anything trains
+        print(f"dynatrain worker: error: {e}", file=sys.stderr, flush=True)
+        return 2
     # SIGTERM is notice (a pod deletion, an eviction, a drain: each comes with a grace
     # period): train on until switched out. SIGINT (the local runner's stop, Ctrl-C) stops
     # at the next step boundary.
@@ -146,6 +186,7 @@ def main(argv=None) -> int:
     if args.ready_file:
         tmp = Path(args.ready_file + ".tmp")
         tmp.write_text(json.dumps({"agent_port": server.port, "metrics_port": metrics_port,
+                                   "health_port": server.health_port,
                                    "pid": os.getpid(), "device": args.device}))
         tmp.rename(args.ready_file)
     try:

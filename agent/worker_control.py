@@ -5,8 +5,17 @@ threads and its training loop (one lock, one condition to wake the loop) and imp
 agent's :class:`~dynatrain.agent.server.Control` over it: Prepare validates a generation and
 starts its background work, Commit hands the prepared generation to the loop and waits for
 the switch, Abort drops it, Status reports. The RPCs only exchange small messages with the
-loop under the lock, so an RPC (good or bad) never blocks or crashes a step. The training loop
-that answers them is :class:`~dynatrain.agent.worker_loop.Worker`.
+loop under the lock, so an RPC (good or bad) never blocks or crashes a step.
+
+A Prepare that replaces the running generation (``recover``, or a ``checkpoint`` on a device
+that holds state) cuts the running generation's collectives short, which cannot be undone; so
+everything that can refuse it is checked first: the generation (stale?), the state (left,
+failed, finished?), the device's place in the layouts, the snapshots a recovery restores, and
+the checkpoint path, which must lie under one of the worker's checkpoint roots (its
+``--checkpoint-dir`` and each ``--checkpoint-source``; INVALID_ARGUMENT otherwise): loading a
+checkpoint unpickles DCP's metadata, so a path from the network must not point anywhere.
+
+The training loop that answers the RPCs is :class:`~dynatrain.agent.worker_loop.Worker`.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dynatrain.controller.job import JobSpec
+from dynatrain.trainer.checkpoint import CheckpointPathError, check_checkpoint_path
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.redundancy import Redundancy
 from dynatrain.trainer.switch import preallocate
@@ -80,7 +90,8 @@ class WorkerControl:
 
     def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
                  metrics: Metrics | None = None, torch_device: torch.device | None = None,
-                 checkpoint_dir: str = "", save_hf: str = ""):
+                 checkpoint_dir: str = "", save_hf: str = "",
+                 checkpoint_sources: tuple[str, ...] | list[str] = ()):
         self.job, self.device, self.backend = job, device, backend
         self.save_hf = save_hf or job.save_hf
         """Where the trained model goes as a Hugging Face checkpoint when the job completes."""
@@ -109,6 +120,10 @@ class WorkerControl:
         self.redundancy: Redundancy | None = None
         self.previous: Previous | None = None
         self.checkpoint_dir = checkpoint_dir or job.recovery.checkpoint_dir
+        self.checkpoint_roots = tuple(r for r in (self.checkpoint_dir, *checkpoint_sources) if r)
+        """Where a Prepare's checkpoint may come from: the checkpoint dir (where this job's
+        own checkpoints go) and the ``--checkpoint-source`` directories (e.g. the local
+        runner's ``--resume-from``)."""
         self.checkpoint: tuple[str, int] | None = None
         self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
                            if x.strip()}
@@ -133,10 +148,21 @@ class WorkerControl:
         except ValueError as e:
             raise InvalidRequest(f"layout {layout.to_text()!r} cannot run this job: {e}"
                                  ) from None
+        if checkpoint:
+            try:
+                checkpoint = check_checkpoint_path(checkpoint, self.checkpoint_roots)
+            except CheckpointPathError as e:
+                raise InvalidRequest(f"device {self.device}: {e}") from None
         # A recovery, or a checkpoint start on a device that holds state, replaces the running
         # generation without moving its live state: cut its collectives short now, so the
         # training loop (or a transfer in flight) raises and waits, INTERRUPTED, for this one.
         abandoning = recovery is not None or bool(checkpoint and self.layout is not None)
+        if abandoning:
+            # Every refusal that does not depend on the abandon comes before it: once the
+            # running generation is cut short, the job must recover.
+            with self.lock:
+                self._check_can_prepare(generation, devices, checkpoint, old_layout,
+                                        abandoning=True)
         if recovery is not None:
             self._check_restorable(recovery, old_layout)
         if abandoning:
@@ -151,20 +177,11 @@ class WorkerControl:
                 while (self.pending is not None and self.pending.commit_at is not None
                        and time.monotonic() < deadline):
                     self.wake.wait(0.05)
-            bad = (State.LEFT, State.FAILED, State.FINISHED)
-            if self.state in bad or (self.state == State.SWITCHING and not abandoning):
-                raise PreconditionFailed(f"device {self.device} is "
-                                         f"{State.Name(self.state)}; it cannot prepare")
-            if generation <= max(self.generation, self.highest_prepared):
-                raise PreconditionFailed(
-                    f"generation {generation} is stale: device {self.device} is at generation "
-                    f"{self.generation} and has prepared up to {self.highest_prepared}")
+            self._check_can_prepare(generation, devices, checkpoint, old_layout,
+                                    abandoning=abandoning)
             if self.pending is not None and not self.pending.aborted:
                 raise PreconditionFailed(f"generation {self.pending.generation} is still "
                                          "prepared; abort it first")
-            if (self.layout is None or checkpoint) and self.device not in devices:
-                raise PreconditionFailed(f"device {self.device} holds no state and is not in "
-                                         f"the new layout's devices {list(devices)}")
             mine = _describe(self.layout)
             # A recovery may start from the generation before the running one (its
             # snapshots are kept for a while), and a member that holds nothing of the world
@@ -177,8 +194,6 @@ class WorkerControl:
                 raise PreconditionFailed(f"the switch starts from {_describe(old_layout)} but "
                                          f"device {self.device} runs {mine}")
             old = old_layout
-            if old is not None and self.device not in old.device_of + tuple(devices):
-                raise PreconditionFailed(f"device {self.device} is in neither layout")
             self.highest_prepared = generation    # reserved: a second Prepare of g is stale
         # Outside the lock: connecting may wait, and the training loop must not.
         try:
@@ -214,6 +229,24 @@ class WorkerControl:
         with self.lock:
             self.pending = Pending(generation, layout, reason, future, timeout_s, staging_bytes,
                                     devices_per_node, old, recovery, checkpoint)
+
+    def _check_can_prepare(self, generation: int, devices: tuple[int, ...], checkpoint: str,
+                           old_layout: Layout | None, *, abandoning: bool) -> None:
+        """The state and generation rules of a Prepare (under the lock). Run before an
+        abandon, and again after it (the state may have moved on while it waited)."""
+        bad = (State.LEFT, State.FAILED, State.FINISHED)
+        if self.state in bad or (self.state == State.SWITCHING and not abandoning):
+            raise PreconditionFailed(f"device {self.device} is "
+                                     f"{State.Name(self.state)}; it cannot prepare")
+        if generation <= max(self.generation, self.highest_prepared):
+            raise PreconditionFailed(
+                f"generation {generation} is stale: device {self.device} is at generation "
+                f"{self.generation} and has prepared up to {self.highest_prepared}")
+        if (self.layout is None or checkpoint) and self.device not in devices:
+            raise PreconditionFailed(f"device {self.device} holds no state and is not in "
+                                     f"the new layout's devices {_ids(devices)}")
+        if old_layout is not None and self.device not in old_layout.device_of + tuple(devices):
+            raise PreconditionFailed(f"device {self.device} is in neither layout")
 
     def _check_restorable(self, recovery: Recovery, old_layout: Layout | None) -> None:
         """A recovery can only start from snapshots and mirrors this device really holds."""
@@ -347,6 +380,11 @@ class WorkerControl:
         host, port = rendezvous.rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False,
                                    timeout=timedelta(seconds=timeout_s))
+
+
+def _ids(devices, limit: int = 16) -> str:
+    devices = list(devices)
+    return str(devices) if len(devices) <= limit else f"{devices[:limit]} ({len(devices)} in all)"
 
 
 def _describe(layout: Layout | None) -> str:

@@ -189,7 +189,7 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
 
 
 GOOD_PREPARE = dict(generation=1, layout_text="dp=2,tp=2", devices=[0, 1, 2, 3],
-                    rendezvous="worker-0:29500")
+                    rendezvous="127.0.0.1:29500")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_defaults_reach_the_control():
         server.stop(0)
     generation, layout, devices, rendezvous, per_node, staging, timeout = seen["prepare"]
     assert (generation, layout.world, devices, rendezvous) == (1, 4, (0, 1, 2, 3),
-                                                               "worker-0:29500")
+                                                               "127.0.0.1:29500")
     assert (per_node, staging, timeout) == (4, 1 << 20, 7.0)
     assert seen["commit"] == (1, 0, 120.0)
 
