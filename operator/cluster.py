@@ -31,8 +31,27 @@ GPU = "nvidia.com/gpu"
 JOB_LABEL = "dynatrain.io/job"
 DEVICE_LABEL = "dynatrain.io/device"
 METRICS_PORT = 9400
+HEALTH_PORT = 9401
+"""The worker's plaintext port serving only the gRPC health service: the kubelet's readiness
+probe cannot present the client certificate the agent's own (mutual-TLS) port requires."""
+TLS_DIR = "/var/run/secrets/dynatrain-tls"
+"""Where a worker mounts its job's ``<job>-agent-tls`` Secret (``--tls-dir``; operator/pki.py).
+Beside the token's volume, not inside it: a mount point inside a read-only Secret volume
+depends on the kubelet creating it there, and the root file system is read-only too."""
 JOB_FILE = "/etc/dynatrain/job.yaml"
 TOKEN_FILE = "/var/run/secrets/dynatrain/token"
+WORKER_UID = 10001
+"""The image's user (Dockerfile: useradd --uid 10001); workers run as it, never as root."""
+SCRATCH_TMP = "/tmp"
+SCRATCH_HOME = "/home/dynatrain"
+"""The worker's writable scratch directories (emptyDir volumes; the root file system is
+read-only): ``$TMPDIR`` and ``$HOME`` (the image's home directory, so its own files are
+shadowed by an empty one: it holds nothing the worker needs)."""
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+                "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                      "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+"""What the ``restricted`` Pod Security Standard asks, and a read-only root file system."""
 
 DOOM_TAINTS = (
     "aws-node-termination-handler/spot-itn",          # AWS spot interruption notice
@@ -83,6 +102,9 @@ class WorkerPod:
     unhealthy: str = ""
     """Why the pod will never serve (failed, exited, cannot start its container); "" if
     it may still."""
+    uid: str = ""
+    """The pod's UID: the operator trusts only pods whose UID it got from its own create
+    call (``status.workerUIDs``)."""
 
 
 def read_node(node) -> NodeInfo:
@@ -179,7 +201,7 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
     return WorkerPod(meta.name, int(meta.labels[DEVICE_LABEL]), pod.spec.node_name,
                      pod.status.pod_ip if pod.status else None,
                      (pod.status.phase if pod.status else None) or "Pending", doomed, deadline,
-                     why, pod_gpus(pod), unhealthy)
+                     why, pod_gpus(pod), unhealthy, meta.uid or "")
 
 
 @dataclass(frozen=True)
@@ -280,7 +302,9 @@ def spec_configmap(body) -> dict:
 def token_secret(body, token: str) -> dict:
     n = body["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": names(n)["secret"], "labels": {JOB_LABEL: n},
+            # The label a job-named Secret needs (operator/guard.py), here for uniformity.
+            "metadata": {"name": names(n)["secret"],
+                         "labels": {JOB_LABEL: n, "dynatrain.io/agent-token": "true"},
                          "ownerReferences": [owner_reference(body)]},
             "type": "Opaque", "stringData": {"token": token}}
 
@@ -296,9 +320,31 @@ def headless_service(body, agent_port: int) -> dict:
 
 
 def worker_pod(body, device: int, *, secret: str, agent_port: int,
-               defaults: tuple[str, str] = (DEFAULT_WORKER_CPU, DEFAULT_WORKER_MEMORY)) -> dict:
+               defaults: tuple[str, str] = (DEFAULT_WORKER_CPU, DEFAULT_WORKER_MEMORY),
+               tls_items: dict[str, str] | None = None) -> dict:
     """A worker pod; requests equal limits (a Guaranteed pod: what a quota can count, and
-    the node's other tenants are safe from it)."""
+    the node's other tenants are safe from it).
+
+    Hardened to the ``restricted`` Pod Security Standard: user and group 10001, no
+    capabilities, no privilege escalation, the runtime's default seccomp profile, and a
+    read-only root file system. What a worker writes, and where it may:
+
+    - checkpoints (``spec.checkpoint``) and the trained model (``spec.output.hf``, written
+      beside it): on the job's claim, mounted read-write at ``spec.checkpoint.path``; an
+      ``output.hf`` elsewhere must be on a volume the image or ``spec`` provides;
+    - temporary files (Python's ``tempfile``, torch inductor's cache
+      ``/tmp/torchinductor_<user>``): ``/tmp`` (``TMPDIR``), an emptyDir;
+    - caches under ``$HOME`` (``~/.cache/dynatrain`` of tokenised text data, triton's
+      ``~/.triton``, Hugging Face and torch hub under ``~/.cache``): ``/home/dynatrain``
+      (``HOME``, ``XDG_CACHE_HOME=$HOME/.cache``), an emptyDir;
+    - no bytecode (``PYTHONDONTWRITEBYTECODE=1``; the image's modules are compiled when it
+      is built).
+
+    Both emptyDirs live as long as the pod (on the node's disk; no size limit, since a
+    compile cache that hit one would get the pod evicted mid-training). ``fsGroup``: volumes
+    whose ownership the kubelet manages (most block-backed claims) are made writable by group
+    10001; a shared file system claim (NFS) must be writable by that user or group itself.
+    """
     n = body["metadata"]["name"]
     spec = body["spec"]
     res = spec.get("resources", {})
@@ -310,6 +356,9 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
     args = ["--job", JOB_FILE, "--device", str(device), "--host", "$(POD_IP)",
             "--agent-port", str(agent_port), "--metrics-port", str(METRICS_PORT),
             "--token-file", TOKEN_FILE,
+            # Mutual TLS on the agent port (the token stays a second factor); the kubelet's
+            # probe asks the health service on its own plaintext port.
+            "--tls-dir", TLS_DIR, "--health-port", str(HEALTH_PORT),
             # NCCL on the pod's GPU when the job asks for nvidia.com/gpu, gloo when not; a
             # GPU pod without CUDA fails at start (spec.args may override, e.g. gloo).
             "--backend", "auto"]
@@ -323,11 +372,25 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
     volumes = [{"name": "job", "configMap": {"name": names(n)["configmap"]}},
                {"name": "token", "secret": {"secretName": secret,
                                             "items": [{"key": "token", "path": "token"}]}}]
+    # The agent's serving certificate and the client CA (``tls_items``: Secret key -> file;
+    # a cert-manager Secret's ca.crt becomes client-ca.crt). Under the token's mount: the
+    # kubelet makes mount points inside Secret volumes itself.
+    # Mode 0440: the private key readable by the worker's group (fsGroup 10001), no one else.
+    mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    volumes.append({"name": "tls", "secret": {
+        "secretName": f"{n}-agent-tls", "defaultMode": 0o440, "items": [
+            {"key": key, "path": path} for key, path in (tls_items or {
+                "client-ca.crt": "client-ca.crt", "tls.crt": "tls.crt",
+                "tls.key": "tls.key"}).items()]}})
     if spec.get("checkpoint"):       # the last-resort checkpoints (every worker writes its part)
         mounts.append({"name": "checkpoints",
                        "mountPath": spec["checkpoint"].get("path", "/checkpoints")})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {
             "claimName": spec["checkpoint"]["claimName"]}})
+    # Writable scratch on a read-only root file system (see the docstring).
+    mounts += [{"name": "tmp", "mountPath": SCRATCH_TMP},
+               {"name": "home", "mountPath": SCRATCH_HOME}]
+    volumes += [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}}]
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": pod_name(n, device),
@@ -339,20 +402,27 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 30,
             "hostname": pod_name(n, device), "subdomain": names(n)["service"],
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+            "securityContext": dict(POD_SECURITY),
             "containers": [{
                 "name": "worker", "image": spec["image"],
                 "command": spec.get("command") or ["dynatrain", "worker"], "args": args,
+                "securityContext": dict(CONTAINER_SECURITY),
                 "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {
                             "fieldPath": "status.podIP"}}},
                         {"name": "POD_NAME", "valueFrom": {"fieldRef": {
                             "fieldPath": "metadata.name"}}},
-                        {"name": "DYNATRAIN_DEVICE", "value": str(device)}],
+                        {"name": "DYNATRAIN_DEVICE", "value": str(device)},
+                        # The scratch volumes, for the libraries that read these.
+                        {"name": "TMPDIR", "value": SCRATCH_TMP},
+                        {"name": "HOME", "value": SCRATCH_HOME},
+                        {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH_HOME}/.cache"},
+                        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
                 "ports": [{"name": "agent", "containerPort": agent_port},
-                          {"name": "metrics", "containerPort": METRICS_PORT}],
+                          {"name": "metrics", "containerPort": METRICS_PORT},
+                          {"name": "health", "containerPort": HEALTH_PORT}],
                 "resources": {"limits": limits, "requests": requests},
                 "volumeMounts": mounts,
-                "readinessProbe": {"grpc": {"port": agent_port}, "periodSeconds": 5},
+                "readinessProbe": {"grpc": {"port": HEALTH_PORT}, "periodSeconds": 5},
             }],
             "volumes": volumes,
             "tolerations": [],

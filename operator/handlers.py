@@ -32,6 +32,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from dynatrain.agent.metrics import REASONS, JobMetricsSet, Metrics
 
 from . import cluster as k
+from . import pki
+from . import guard, netpol
 from .informer import ClusterView
 from .runtime import GROUP, PLURAL, VERSION, JobRuntime, Settings
 from .telemetry import CountingApiClient, OperatorMetrics
@@ -49,7 +51,22 @@ def settings() -> Settings:
     return Settings(tick_s=float(env("DYNATRAIN_OPERATOR_TICK_S", "0.5")),
                     max_pods_per_job=int(env("DYNATRAIN_MAX_PODS_PER_JOB", "256")),
                     worker_cpu=env("DYNATRAIN_WORKER_CPU", k.DEFAULT_WORKER_CPU),
-                    worker_memory=env("DYNATRAIN_WORKER_MEMORY", k.DEFAULT_WORKER_MEMORY))
+                    worker_memory=env("DYNATRAIN_WORKER_MEMORY", k.DEFAULT_WORKER_MEMORY),
+                    cert_lifetime_s=float(env("DYNATRAIN_CERT_LIFETIME_S",
+                                              str(pki.DEFAULT_CERT_LIFETIME_S))),
+                    allowed_images=guard.parse_image_prefixes(
+                        env("DYNATRAIN_ALLOWED_IMAGES", "")),
+                    network_policy=env("DYNATRAIN_NETWORK_POLICY", "1") == "1",
+                    # Where this operator's pods are (the downward API's POD_NAMESPACE in a
+                    # cluster) and their labels: the job policies admit those pods.
+                    operator_namespace=env("DYNATRAIN_OPERATOR_NAMESPACE")
+                    or env("POD_NAMESPACE") or "default",
+                    operator_pod_labels=guard.parse_labels(
+                        env("DYNATRAIN_OPERATOR_POD_LABELS", ""), "--operator-pod-labels")
+                    or dict(netpol.DEFAULT_OPERATOR_POD_LABELS),
+                    metrics_namespaces=guard.parse_labels(
+                        env("DYNATRAIN_METRICS_NAMESPACE_SELECTOR", ""),
+                        "--metrics-namespace-selector"))
 
 
 def _api() -> client.ApiClient:

@@ -8,9 +8,11 @@ and closes the gap, and never gives up on the job. Each pass:
 1. **takes the spec** when it changed: a spec the parser refuses becomes the ``SpecValid``
    condition naming the field (a running job runs on under its last valid spec); a fixed one
    is picked up on the next pass, with no operator restart;
-2. **keeps the job's objects** (the token Secret, the spec ConfigMap, the headless Service)
-   matching the spec: created when missing, updated when they differ, and replaced when they
-   belong to a previous job of the same name (another UID), never adopted;
+2. **keeps the job's objects** (the token Secret, the spec ConfigMap, the headless Service,
+   the workers' NetworkPolicy of :mod:`.netpol`) matching the spec: created when missing,
+   updated when they differ, and replaced when they belong to a previous job of the same name
+   (another UID), never adopted. A ``spec.agent.authSecret`` without the label
+   ``dynatrain.io/agent-token: "true"`` fails the job (:mod:`.guard`: no confused deputy);
 3. **reads the cluster** from the operator's shared :class:`~.informer.ClusterView` (watches,
    not lists): which of the job's pods are doomed (a termination taint or cordon on their node,
    ``DisruptionTarget``, deletion with a grace period) and by when, which are unhealthy (failed,
@@ -18,7 +20,9 @@ and closes the gap, and never gives up on the job. Each pass:
 4. gives the controller the agents of healthy Running workers, a notice for each doomed worker,
    and the failure or removal of workers whose pods are gone or unhealthy; **replaces**
    unhealthy pods (with back-off, in the ``WorkersHealthy`` condition) and **creates** pods up
-   to the job's target while they fit, at most ``--max-pods-per-job``; a quota or admission
+   to the job's target while they fit, at most ``--max-pods-per-job``, and only of an image
+   that ``--allowed-images`` admits (else the ``ImageAllowed`` condition and an Event, and the
+   job waits, with no pod); a quota or admission
    rejection becomes the ``PodsCreated`` condition and an Event, retried with back-off; over
    the target (``kubectl scale`` down) it deletes pods that hold no part of the job;
 5. lets the controller decide and switch (``tick``; a lower target is a ``scale-down``
@@ -29,6 +33,13 @@ Every error of a pass becomes the ``Reconciled`` condition (reason and message) 
 with capped exponential back-off. The job is ``Failed`` only by its own rule (the controller's
 :class:`JobFailed`: no layout fits what is left, unrecoverable state), and then its pods are
 deleted; ``Succeeded`` when every step is trained, and then too.
+
+The operator talks to the agents over mutual TLS with the token as a second factor: the
+job's objects include its two TLS Secrets (:mod:`.pki`: its own CAs, renewed in place before
+they expire, or cert-manager's with ``spec.agent.issuerRef``), and new credentials re-make the
+agents' clients. Only pods this job's operators created are trusted: their UIDs, from the
+create calls, are kept in ``status.workerUIDs`` (which a job's owners cannot write); any other
+pod with the job's labels gets no token and no client, and an Event names it.
 
 The controller's rendezvous store is hosted by this process; the workers reach it at
 ``rendezvous_host``. If the operator restarts, the next one adopts the running job from its
@@ -44,13 +55,14 @@ import datetime
 import secrets
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch.distributed as dist
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from dynatrain.agent.auth import ClientTls
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller.core import JobController, JobFailed
@@ -60,6 +72,8 @@ from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
 
 from . import cluster as k
+from . import pki
+from . import guard, netpol
 
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
 START_WAIT_S = 60.0
@@ -89,8 +103,21 @@ class Settings:
     status_every_s: float = 5.0
     """The status is patched at once when phase, layout, workers or a condition change; the
     step alone is refreshed at most this often (it changes every training step)."""
+    cert_lifetime_s: float = pki.DEFAULT_CERT_LIFETIME_S
+    """Lifetime of the agents' serving and the operator's client certificates (--cert-lifetime);
+    each is renewed when a third of it is left (operator/pki.py)."""
     objects_every_s: float = 60.0
     """How often the job's Secret, ConfigMap and Service are checked when nothing changed."""
+    allowed_images: tuple[str, ...] = ()
+    """Image prefixes a job's spec.image must start with (--allowed-images); () = any."""
+    network_policy: bool = True
+    """Create each job's NetworkPolicy (:mod:`.netpol`; --network-policy)."""
+    operator_namespace: str = "default"
+    operator_pod_labels: dict = field(
+        default_factory=lambda: dict(netpol.DEFAULT_OPERATOR_POD_LABELS))
+    """Where the operator's pods run and their labels: the policies admit them to the agents."""
+    metrics_namespaces: dict = field(default_factory=dict)
+    """matchLabels of the namespaces that may scrape workers' metrics ({} = every one)."""
 
 
 class Backoff:
@@ -156,6 +183,10 @@ class JobRuntime:
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.cert_manager = self.custom
+        """For cert-manager's Certificates (spec.agent.issuerRef): a rule of their own in the
+        chart; tests/k8s/test_operator_rbac.py lists these calls (CERT_MANAGER)."""
+        self.net = client.NetworkingV1Api(api)
         self.view = view
         self.log = log
         self.body = body
@@ -194,6 +225,19 @@ class JobRuntime:
         self.deleting: dict[str, float] = {}
         """Pods this runtime deleted, until the watch sees them go."""
         self.warned: set[str] = set()
+        self.worker_uids: set[str] = set((body.get("status") or {}).get("workerUIDs") or [])
+        """UIDs of the pods this job's operators created (``status.workerUIDs``, which the
+        job's owners cannot write): only these pods get the token and a client."""
+        self.uid_born: dict[str, float] = {}
+        """UIDs created by this runtime -> when: kept while the watch has not shown them."""
+        self.untrusted: set[str] = set()
+        self.tls: tuple[bytes, bytes, bytes] | None = None
+        """(CA bundle the agents' certificates chain to, client certificate, client key)."""
+        self.pki_due: datetime.datetime | None = None
+        """When the TLS material needs a look before the next objects pass (a renewal)."""
+        self.agents_at: dict[int, tuple[str, str]] = {}
+        """Device -> (pod IP, pod name) its client dials (to re-make it with new TLS)."""
+        self.retired: list[AgentClient] = []
         self.next_device = 0
         """Device ids are never reused within a job (a restarted operator starts after the
         highest id it finds)."""
@@ -280,7 +324,8 @@ class JobRuntime:
             ("spec.globalBatchSize", old.global_batch_size, job.global_batch_size),
             ("spec.training", old.training, job.training),
             ("spec.resources.gpus", old.gpus_per_worker, job.gpus_per_worker),
-            ("spec.agent", (old.agent_port, old.auth_secret), (job.agent_port, job.auth_secret)),
+            ("spec.agent", (old.agent_port, old.auth_secret, old.issuer_ref),
+             (job.agent_port, job.auth_secret, job.issuer_ref)),
         ) if a != b]
         if changed:
             raise JobError(f"{self.namespace}/{self.name}: {', '.join(changed)} cannot change "
@@ -308,7 +353,8 @@ class JobRuntime:
 
     # -- objects the job needs -------------------------------------------------------------------
     def _ensure_objects(self) -> None:
-        if time.monotonic() - self.objects_checked < self.settings.objects_every_s:
+        if (time.monotonic() - self.objects_checked < self.settings.objects_every_s
+                and not (self.pki_due is not None and _now() >= self.pki_due)):
             return
         ns, body, names = self.namespace, self.body, k.names(self.name)
         secret = self.job.auth_secret
@@ -318,7 +364,19 @@ class JobRuntime:
                          self.core.delete_namespaced_secret, None, "Secret", secret,
                          lambda: k.token_secret(body, secrets.token_urlsafe(32)), None)
         self.secret_name = secret
-        data = self.core.read_namespaced_secret(secret, ns).data or {}
+        token_secret = self.core.read_namespaced_secret(secret, ns)
+        # A Secret the job names must be labelled for it; the operator's own (made above,
+        # labelled since, unlabelled if an older operator made it) is this job's already.
+        refused = guard.check_auth_secret(token_secret, ns) if self.job.auth_secret else ""
+        if refused:                # never mounted, never read: the job fails (the Secret's
+            #                        label is its owner's consent; spec.agent cannot change)
+            if self.conditions.set("AuthSecretAllowed", False, "SecretNotLabelled", refused,
+                                   self._generation()):
+                self._event("Warning", "SecretNotLabelled", refused)
+            raise JobFailed(refused)
+        self.conditions.set("AuthSecretAllowed", True, "Labelled",
+                            f"{guard.AGENT_TOKEN_LABEL}=true", self._generation())
+        data = token_secret.data or {}
         if "token" not in data:
             raise JobError(f"secret {ns}/{secret} (spec.agent.authSecret) has no key 'token'")
         self.token = base64.b64decode(data["token"]).decode().strip()
@@ -332,6 +390,20 @@ class JobRuntime:
                      lambda: k.headless_service(body, self.job.agent_port),
                      lambda obj, want: sorted((p.name, p.port) for p in obj.spec.ports or [])
                      != sorted((p["name"], p["port"]) for p in want["spec"]["ports"]))
+        if self.settings.network_policy:     # who may reach the workers (operator/netpol.py)
+            s = self.settings
+            self._ensure(self.net.read_namespaced_network_policy,
+                         self.net.create_namespaced_network_policy,
+                         self.net.delete_namespaced_network_policy,
+                         self.net.patch_namespaced_network_policy,
+                         "NetworkPolicy", netpol.policy_name(self.name),
+                         lambda: netpol.worker_policy(
+                             body, agent_port=self.job.agent_port,
+                             operator_namespace=s.operator_namespace,
+                             operator_pod_labels=s.operator_pod_labels,
+                             metrics_namespaces=s.metrics_namespaces),
+                         netpol.spec_differs)
+        self._ensure_pki()
         self.conditions.set("ObjectsReady", True, "Ready", "", self._generation())
         self.objects_checked = time.monotonic()
 
@@ -375,6 +447,170 @@ class JobRuntime:
         elif differs is not None and differs(obj, want):
             patch(name, ns, want)
             self.log(f"job {self.name}: {kind} {name} updated to the spec")
+
+    # -- mutual TLS and whom to trust --------------------------------------------------------------
+    def _ensure_pki(self) -> None:
+        """The job's TLS material: its own two CAs and certificates, made and renewed here
+        (:mod:`.pki`), or, with ``spec.agent.issuerRef``, cert-manager's. When the client
+        certificate or the CAs the operator trusts change, the agents' clients are re-made
+        (a gRPC channel keeps the credentials it was made with)."""
+        if self.job.issuer_ref is None:
+            material = self._own_pki()
+        else:
+            material = self._issued_pki()
+        if material != self.tls:
+            renewed = self.tls is not None
+            self.tls = material
+            if renewed:
+                self._retls()
+
+    def _own_pki(self) -> tuple[bytes, bytes, bytes]:
+        ns, body, now = self.namespace, self.body, _now()
+        name = pki.pki_secret_name(self.name)
+        try:
+            obj = self.core.read_namespaced_secret(name, ns)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            obj = None
+        current = None
+        if obj is not None and not k.foreign_owner(obj, self.uid):   # else _ensure says why
+            try:
+                current = pki.from_secret(pki.secret_bytes(obj.data), f"secret {ns}/{name}")
+            except pki.PkiError as e:      # edited by hand: start over (the workers follow)
+                self.log(f"job {self.name}: {e}; making the job's CAs anew")
+        want, changes = pki.advance(current, job=self.name, namespace=ns, now=now,
+                                    lifetime_s=self.settings.cert_lifetime_s)
+        stored, mounted = pki.pki_secret(body, want), pki.tls_secret(body, want)
+        for manifest in (stored, mounted):
+            # Rotation patches the Secrets in place: a kubelet updates a running pod's
+            # mounted copy, and the agent re-reads its files for new connections.
+            self._ensure(self.core.read_namespaced_secret, self.core.create_namespaced_secret,
+                         self.core.delete_namespaced_secret, self.core.patch_namespaced_secret,
+                         "Secret", manifest["metadata"]["name"], lambda m=manifest: m,
+                         lambda obj, want: (obj.data or {}) != want["data"])
+        self.pki_due = pki.next_change(want)
+        if changes:
+            text = "; ".join(changes)
+            self.log(f"job {self.name}: TLS: {text}")
+            if current is not None:
+                self._event("Normal", "CertificatesRenewed", text)
+        self.conditions.set("CertificatesReady", True, "Issued",
+                            f"the job's own CAs; next renewal {self.pki_due.isoformat()}",
+                            self._generation())
+        return want.serving_ca_bundle, want.client.cert, want.client.key
+
+    def _issued_pki(self) -> tuple[bytes, bytes, bytes]:
+        """cert-manager's certificates (``spec.agent.issuerRef``): the two ``Certificate``
+        objects made, and the Secrets it fills read (the job waits until it has)."""
+        ns, gen = self.namespace, self._generation()
+        group, version, plural = pki.CERT_MANAGER
+        api = self.cert_manager
+
+        def waiting(reason: str, text: str):
+            if self.conditions.set("CertificatesReady", False, reason, text, gen):
+                self._event("Warning", reason, text)
+            return _Waiting(text)
+
+        for cert in pki.certificates(self.body, self.job.issuer_ref,
+                                     self.settings.cert_lifetime_s):
+            name = cert["metadata"]["name"]
+            try:
+                obj = api.get_namespaced_custom_object(group, version, ns, plural, name)
+            except ApiException as e:
+                if e.status != 404:      # 404: no such Certificate, or no such API at all
+                    raise
+                obj = None
+            owners = [r.get("uid") for r in (obj or {}).get("metadata", {}).get(
+                "ownerReferences") or []]
+            if obj is not None and self.uid not in owners:
+                raise waiting("NameTaken", f"Certificate {ns}/{name} exists and does not "
+                              "belong to this job; delete it or rename the job")
+            try:
+                if obj is None:
+                    api.create_namespaced_custom_object(group, version, ns, plural, cert)
+                    self.log(f"job {self.name}: Certificate {name} created")
+                elif any(obj.get("spec", {}).get(f) != v for f, v in cert["spec"].items()):
+                    api.patch_namespaced_custom_object(group, version, ns, plural, name,
+                                                       {"spec": cert["spec"]})
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                raise waiting("CertManagerMissing", (
+                    f"spec.agent.issuerRef names {self.job.issuer_ref['kind']} "
+                    f"{self.job.issuer_ref['name']!r}, but this cluster has no cert-manager "
+                    f"Certificate API ({group}/{version}): install cert-manager, or remove "
+                    "spec.agent.issuerRef (on a new job) to let the operator make the job's "
+                    "CAs")) from None
+        found = {}
+        for name, keys in ((pki.tls_secret_name(self.name), ("ca.crt", "tls.crt", "tls.key")),
+                           (pki.client_secret_name(self.name), ("tls.crt", "tls.key"))):
+            try:
+                data = pki.secret_bytes(self.core.read_namespaced_secret(name, ns).data)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                data = {}
+            missing = [key for key in keys if not data.get(key)]
+            if missing == ["ca.crt"]:
+                raise waiting("IssuerHasNoCA", (
+                    f"Secret {ns}/{name} from {self.job.issuer_ref['kind']} "
+                    f"{self.job.issuer_ref['name']!r} has no ca.crt: the workers must trust "
+                    "the CA that signs the operator's certificate; use a CA Issuer"))
+            if missing:
+                raise waiting("Issuing", (
+                    f"waiting for cert-manager to issue Certificate {ns}/{name} (its Secret "
+                    f"lacks {', '.join(missing)}; see `kubectl describe certificate -n {ns} "
+                    f"{name}`)"))
+            found[name] = data
+        serving = found[pki.tls_secret_name(self.name)]
+        client_ = found[pki.client_secret_name(self.name)]
+        # Re-read when cert-manager renews the operator's certificate (a third of its
+        # lifetime before it ends), else at the next objects pass.
+        due = pki.renewal_time(client_["tls.crt"]) + timedelta(seconds=10)
+        self.pki_due = due if due > _now() else None
+        self.conditions.set("CertificatesReady", True, "Issued",
+                            f"by {self.job.issuer_ref['kind']} {self.job.issuer_ref['name']}",
+                            gen)
+        return serving["ca.crt"], client_["tls.crt"], client_["tls.key"]
+
+    def _agent(self, ip: str, pod: str) -> AgentClient:
+        """A client of the agent in ``pod``: mutual TLS (the name verified is the pod's name
+        under the job's Service, which the serving certificate carries) and the token, read
+        at every call (a rotated authSecret is used at once)."""
+        ca, cert, key = self.tls
+        tls = ClientTls(ca, cert, key, server_name=pki.server_name(pod, self.name,
+                                                                   self.namespace))
+        return AgentClient(f"{ip}:{self.job.agent_port}", token=lambda: self.token, tls=tls,
+                           timeout_s=5.0)
+
+    def _retls(self) -> None:
+        """New TLS material: every agent's client is re-made with it. The old clients are
+        closed at the next rotation, once no switch runs (a switch in flight holds them)."""
+        c = self.controller
+        if self.retired and not c.switching:
+            for old in self.retired:
+                old.close()
+            self.retired = []
+        for d, old in list(c.clients.items()):
+            if d in self.agents_at:
+                c.clients[d] = self._agent(*self.agents_at[d])
+                self.retired.append(old)
+        self.log(f"job {self.name}: TLS credentials changed: {len(c.clients)} agent clients "
+                 "re-made")
+
+    def _distrust(self, pod) -> None:
+        """A pod with the job's labels and owner that this job's operators did not create
+        (its UID is not in ``status.workerUIDs``): no token, no client, never added. Said
+        once per pod, in the log and as an Event."""
+        name = pod.metadata.name
+        if name in self.untrusted:
+            return
+        self.untrusted.add(name)
+        text = (f"pod {name} (uid {pod.metadata.uid}) has the job's labels but the operator "
+                "did not create it: it gets no token and is never a worker; delete it")
+        self.log(f"job {self.name}: {text}")
+        self._event("Warning", "UntrustedPod", text)
 
     # -- one tick ---------------------------------------------------------------------------------
     def _observe(self):
@@ -441,10 +677,10 @@ class JobRuntime:
                             f"{w.deadline_s:.0f} s: {w.why}")
             if (not w.doomed and d not in c.clients and d not in self.left
                     and w.phase == "Running" and w.ip):
-                agent = AgentClient(f"{w.ip}:{self.job.agent_port}", token=self.token,
-                                    timeout_s=5.0)
+                agent = self._agent(w.ip, w.name)
                 if agent.health():
                     c.add_device(d, agent)
+                    self.agents_at[d] = (w.ip, w.name)
                     self.log(f"worker {d}: agent up at {w.ip}:{self.job.agent_port}")
                     self.replacing.reset()
                     if self.conditions.get("WorkersHealthy") is None or self.replaced == 0:
@@ -457,10 +693,11 @@ class JobRuntime:
         """This job's worker pods by device, from the watch (pods of a previous job of the
         same name are deleted, never counted)."""
         workers: dict[int, k.WorkerPod] = {}
-        seen = set()
+        seen, seen_uids = set(), set()
         for p in self.view.job_pods(self.namespace, self.name):
             name = p.metadata.name
             seen.add(name)
+            seen_uids.add(p.metadata.uid)
             if not k.owned_by(p, self.uid):
                 owner = k.foreign_owner(p, self.uid)
                 if owner.startswith("a previous DynaTrainJob") and name not in self.deleting:
@@ -481,6 +718,9 @@ class JobRuntime:
             self.next_device = max(self.next_device, device + 1)
             if name in self.deleting:
                 continue
+            if p.metadata.uid not in self.worker_uids:
+                self._distrust(p)
+                continue
             workers[device] = k.read_worker(p, nodes)
         for name, when in list(self.expected.items()):
             if name in seen or now - when > 60:
@@ -488,6 +728,11 @@ class JobRuntime:
         for name, when in list(self.deleting.items()):
             if name not in seen or now - when > 600:
                 del self.deleting[name]
+        for uid in list(self.uid_born):          # shown by the watch, or long gone
+            if uid in seen_uids or now - self.uid_born[uid] > 60:
+                del self.uid_born[uid]
+        # UIDs of pods that are gone (not those just created: the watch may not show them yet)
+        self.worker_uids -= self.worker_uids - seen_uids - set(self.uid_born)
         return workers
 
     def _replace(self, w: k.WorkerPod) -> None:
@@ -528,6 +773,13 @@ class JobRuntime:
                 self._event("Warning", "NoNodeFits", unfit)
             return
         self.conditions.set("Schedulable", True, "Fits", "", gen)
+        refused = guard.check_image(self.job.image, s.allowed_images)
+        if refused:        # before any pod: the job waits (an admin may widen the list)
+            if self.conditions.set("ImageAllowed", False, "ImageNotAllowed", refused, gen):
+                self._event("Warning", "ImageNotAllowed", refused)
+            return
+        self.conditions.set("ImageAllowed", True, "Allowed", "any image" if not
+                            s.allowed_images else "matches --allowed-images", gen)
         target = self.job.workers or self.job.max_workers
         want = min(target, s.max_pods_per_job)
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
@@ -546,9 +798,11 @@ class JobRuntime:
             device = self.next_device
             pod = k.worker_pod(self.body, device, secret=self.secret_name,
                                agent_port=self.job.agent_port,
-                               defaults=(s.worker_cpu, s.worker_memory))
+                               defaults=(s.worker_cpu, s.worker_memory),
+                               tls_items=pki.CERT_MANAGER_TLS_ITEMS if self.job.issuer_ref
+                               else None)
             try:
-                self.core.create_namespaced_pod(self.namespace, pod)
+                made = self.core.create_namespaced_pod(self.namespace, pod)
             except ApiException as e:
                 if e.status not in (403, 422, 409):
                     raise
@@ -566,6 +820,11 @@ class JobRuntime:
                 return
             self.next_device += 1
             self.expected[pod["metadata"]["name"]] = time.monotonic()
+            # Trusted by the UID the apiserver gave it, kept where a restarted operator (or
+            # a new leader) reads it back: the status, at once.
+            self.worker_uids.add(made.metadata.uid)
+            self.uid_born[made.metadata.uid] = time.monotonic()
+            self._publish(force=True)
             self.log(f"worker {device}: pod created")
         if count > 0 or not capped:
             self.creation.reset()
@@ -690,7 +949,8 @@ class JobRuntime:
               "layout": c.layout.to_text() if c and c.layout else "",
               "step": c.progress.step if c else 0,
               "gpus": len(c.members) * self.job.gpus_per_worker if c else 0,
-              "replacedWorkers": self.replaced}
+              "replacedWorkers": self.replaced,
+              "workerUIDs": sorted(self.worker_uids)}
         if self.last_switch:
             st["lastSwitch"] = self.last_switch
         if c is not None and c.layout is not None:
@@ -757,6 +1017,8 @@ class JobRuntime:
         if self.controller is not None:
             for cl in self.controller.clients.values():
                 cl.close()
+        for cl in self.retired:
+            cl.close()
 
 
 class _Waiting(Exception):

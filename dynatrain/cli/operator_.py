@@ -6,6 +6,7 @@ The module is named ``operator_`` so that it can never shadow the standard libra
 
 from __future__ import annotations
 
+import argparse
 import os
 
 
@@ -44,6 +45,32 @@ def register(sub) -> None:
     p.add_argument("--worker-memory", default="4Gi", metavar="QUANTITY",
                    help="memory request and limit of workers whose job sets no "
                    "spec.resources.memory (default 4Gi)")
+    p.add_argument("--cert-lifetime", default="30d", metavar="DURATION",
+                   help="lifetime of each job's agent serving certificate and the operator's "
+                   "client certificate (mutual TLS to the agents), e.g. 30d, 12h, 90m, or "
+                   "seconds; each is renewed, without stopping the job, when a third of it "
+                   "is left. The job's CAs live a year (at least three lifetimes). With "
+                   "spec.agent.issuerRef it is the Certificates' duration (cert-manager's "
+                   "minimum, 1h, at least) (default 30d)")
+    p.add_argument("--allowed-images", default="", metavar="PREFIX[,PREFIX]",
+                   help="run only jobs whose spec.image starts with one of these prefixes "
+                   "(e.g. registry.example.com/team/); others get the ImageAllowed=False "
+                   "condition and no pod (default: any image)")
+    p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                   help="create a NetworkPolicy per job: only the job's pods and the "
+                   "operator's reach its workers, the metrics port from "
+                   "--metrics-namespace-selector (default on)")
+    p.add_argument("--operator-namespace", default=None, metavar="NS",
+                   help="the namespace of the operator's pods, which the job policies admit "
+                   "to the agents (default $POD_NAMESPACE, else default)")
+    p.add_argument("--operator-pod-labels", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="labels of the operator's pods, which the job policies admit to the "
+                   "agents (default: the chart's, app.kubernetes.io/name=dynatrain,"
+                   "app.kubernetes.io/component=operator)")
+    p.add_argument("--metrics-namespace-selector", default="", metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="labels of the namespaces whose pods may scrape the workers' metrics "
+                   "port, e.g. kubernetes.io/metadata.name=monitoring (default: every "
+                   "namespace)")
     p.set_defaults(func=run_operator)
 
 
@@ -62,6 +89,30 @@ def run_operator(args) -> int:
         except ValueError:
             raise SystemExit(f"dynatrain operator: {flag}={value!r} is not a positive "
                              "Kubernetes quantity (e.g. 500m or 2 for CPU, 4Gi for memory)")
+    from dynatrain.operator import guard
+
+    try:        # refused here, with the flag's name, rather than in every job's pass
+        guard.parse_image_prefixes(args.allowed_images)
+        guard.parse_labels(args.metrics_namespace_selector, "--metrics-namespace-selector")
+        if args.operator_pod_labels is not None and not guard.parse_labels(
+                args.operator_pod_labels, "--operator-pod-labels"):
+            raise ValueError("--operator-pod-labels: empty; the job policies would admit "
+                             "every pod of the operator's namespace to the agents")
+    except ValueError as e:
+        raise SystemExit(f"dynatrain operator: {e}")
+    os.environ["DYNATRAIN_ALLOWED_IMAGES"] = args.allowed_images
+    os.environ["DYNATRAIN_NETWORK_POLICY"] = "1" if args.network_policy else "0"
+    os.environ["DYNATRAIN_METRICS_NAMESPACE_SELECTOR"] = args.metrics_namespace_selector
+    if args.operator_namespace:
+        os.environ["DYNATRAIN_OPERATOR_NAMESPACE"] = args.operator_namespace
+    if args.operator_pod_labels is not None:
+        os.environ["DYNATRAIN_OPERATOR_POD_LABELS"] = args.operator_pod_labels
+    from dynatrain.operator.pki import parse_duration
+
+    try:
+        os.environ["DYNATRAIN_CERT_LIFETIME_S"] = str(parse_duration(args.cert_lifetime))
+    except ValueError as e:
+        raise SystemExit(f"dynatrain operator: --cert-lifetime: {e}")
     os.environ["DYNATRAIN_MAX_PODS_PER_JOB"] = str(args.max_pods_per_job)
     os.environ["DYNATRAIN_WORKER_CPU"] = args.worker_cpu
     os.environ["DYNATRAIN_WORKER_MEMORY"] = args.worker_memory

@@ -7,8 +7,11 @@ command as a process on this machine, the way a kubelet would:
 - ``command`` + ``args`` with ``$(VAR)`` references expanded from the container's environment:
   ``value``, the downward API (``metadata.name``/``namespace``/``uid``, ``spec.nodeName``,
   ``status.podIP``/``hostIP``), ``configMapKeyRef``, ``secretKeyRef`` and ``envFrom``;
-- volumes as directories: ConfigMap and Secret volumes written per pod, ``emptyDir`` per pod,
-  and every PersistentVolumeClaim backed by one directory per claim that every pod mounting it
+- volumes as directories: ConfigMap and Secret volumes written per pod (as the kubelet's
+  atomic writer does: files behind a ``..data`` symlink swapped in one step) and re-synced
+  every ``volume_sync_s`` while the pod runs, as a real kubelet updates a mounted Secret or
+  ConfigMap in place (a rotated certificate or token reaches a running worker);
+  ``emptyDir`` per pod, and every PersistentVolumeClaim backed by one directory per claim that every pod mounting it
   shares (as a ReadWriteMany volume would). Mount paths in the command, the arguments and the
   environment are mapped onto those directories (a process has no mount namespace of its own);
 - a claim of the runner's StorageClass (:data:`STORAGE_CLASS`, the dev cluster's default) is
@@ -40,12 +43,13 @@ import base64
 import datetime
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -100,6 +104,8 @@ class _Container:
     """Back-off: when the exited process is started again."""
     done: bool = False
     """Exited for good: the pod's phase is Succeeded or Failed."""
+    projections: list = field(default_factory=list)
+    """(local dir, "secret" or "configmap", name, items, mode) of each such volume: re-synced."""
 
 
 class PodRunner:
@@ -112,8 +118,13 @@ class PodRunner:
     def __init__(self, core: client.CoreV1Api, workdir: Path, *, namespace: str | None = None,
                  selector: str = "", interval_s: float = 0.2,
                  backoff_first_s: float = BACKOFF_FIRST_S,
-                 log: Callable[[str], None] | None = None, cpu_for_gpu_pods: bool = False):
+                 log: Callable[[str], None] | None = None, cpu_for_gpu_pods: bool = False,
+                 volume_sync_s: float = 2.0):
         self.core, self.namespace, self.selector = core, namespace, selector
+        self.volume_sync_s = volume_sync_s
+        """How often a running pod's Secret and ConfigMap volumes are re-synced (a kubelet:
+        its sync period, a minute, plus its cache; shorter here so tests need not wait)."""
+        self._synced_volumes = 0.0
         self.cpu_for_gpu_pods = cpu_for_gpu_pods
         """Run the ``dynatrain worker`` of a pod that requests ``nvidia.com/gpu`` on the CPU
         (``--backend gloo`` appended): the simulated GPU nodes have no CUDA. Off, such a worker
@@ -193,6 +204,11 @@ class PodRunner:
         now = time.monotonic()
         for uid, c in self.containers.items():
             self._tend(c, by_uid.get(uid), c.node in alive, now)
+        if now - self._synced_volumes >= self.volume_sync_s:
+            self._synced_volumes = now
+            for c in self.containers.values():
+                if c.proc is not None and c.proc.poll() is None:
+                    self._resync(c)
         for uid, pod in by_uid.items():
             if (uid not in self.containers and pod.status and pod.status.phase == "Running"
                     and pod.status.pod_ip and pod.metadata.deletion_timestamp is None
@@ -331,7 +347,8 @@ class PodRunner:
         root.mkdir(parents=True, exist_ok=True)
         container = pod.spec.containers[0]
         env = self._env(pod, container)
-        mounts = self._volumes(pod, container, root)
+        projections: list = []
+        mounts = self._volumes(pod, container, root, projections)
 
         def expand(text: str) -> str:
             text = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)
@@ -350,7 +367,24 @@ class PodRunner:
         if self.cpu_for_gpu_pods and _requests_gpu(container) and _is_worker(argv):
             argv = [*argv, "--backend", "gloo"]       # the last --backend wins
         return _Container(ns, name, pod.spec.node_name, argv, env, root / "container.log",
-                          pod.spec.restart_policy or "Always", container.name)
+                          pod.spec.restart_policy or "Always", container.name,
+                          projections=projections)
+
+    def _resync(self, c: _Container) -> None:
+        """Rewrite the pod's Secret and ConfigMap volumes whose data changed (one that is gone
+        keeps its last content, as with a kubelet)."""
+        from kubernetes.client.rest import ApiException
+
+        for local, kind, name, items, mode in c.projections:
+            try:
+                data = (self._secret_bytes(c.namespace, name) if kind == "secret" else
+                        {k: t.encode() for k, t in self._config_map(c.namespace, name).items()})
+            except ApiException as e:
+                if e.status == 404:
+                    continue
+                raise
+            if _project(local, items, data, mode=mode):
+                self._say(f"[pods] {c.namespace}/{c.name}: {kind} {name} updated in its volume")
 
     def _env(self, pod, container) -> dict[str, str]:
         fields = {"status.podIP": pod.status.pod_ip, "status.hostIP": pod.status.host_ip,
@@ -395,8 +429,11 @@ class PodRunner:
         data = self.core.read_namespaced_secret(name, namespace).data or {}
         return {k: base64.b64decode(v) for k, v in data.items()}
 
-    def _volumes(self, pod, container, root: Path) -> dict[str, Path]:
-        """Mount path -> local directory (or file, with subPath) for each volume mount."""
+    def _volumes(self, pod, container, root: Path,
+                 projections: list | None = None) -> dict[str, Path]:
+        """Mount path -> local directory (or file, with subPath) for each volume mount; the
+        Secret and ConfigMap volumes are added to ``projections`` (to be re-synced)."""
+        projections = [] if projections is None else projections
         ns = pod.metadata.namespace
         volumes = {v.name: v for v in pod.spec.volumes or []}
         mounts = {}
@@ -410,9 +447,13 @@ class PodRunner:
             if v.config_map is not None:
                 data = {k: t.encode() for k, t in self._config_map(ns, v.config_map.name).items()}
                 _project(local, v.config_map.items, data, mode=None)
+                projections.append((local, "configmap", v.config_map.name, v.config_map.items,
+                                    None))
             elif v.secret is not None:
                 _project(local, v.secret.items, self._secret_bytes(ns, v.secret.secret_name),
                          mode=0o600)
+                projections.append((local, "secret", v.secret.secret_name, v.secret.items,
+                                    0o600))
             mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path \
                 else local
         return mounts
@@ -479,13 +520,42 @@ def _is_worker(argv: list[str]) -> bool:
         "-m", "dynatrain.agent.worker"]
 
 
-def _project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> None:
+def _project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> bool:
     """Write a ConfigMap's or Secret's keys into a volume directory: the ``items`` listed
-    (key -> relative path), or every key under its own name."""
+    (key -> relative path), or every key under its own name. As the kubelet's atomic writer
+    does: the files go to a new ``..<time>`` directory, the ``..data`` symlink is swapped to it
+    in one rename, and each top-level name is a symlink into ``..data``, so a reader never sees
+    half an update. Returns whether anything changed."""
     paths = {i.key: i.path for i in items or []} or {k: k for k in data}
-    for key, path in paths.items():
-        target = local / path
+    payload = {path: data[key] for key, path in paths.items()}
+    current = local / "..data"
+    old = current.resolve() if current.is_symlink() else None
+    if old is not None and sorted(str(p.relative_to(old)) for p in old.rglob("*")
+                                  if p.is_file()) == sorted(payload) and all(
+            (old / p).read_bytes() == b for p, b in payload.items()):
+        return False
+    stamp = local / f"..{time.time_ns()}"
+    for path, content in payload.items():
+        target = stamp / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data[key])
+        target.write_bytes(content)
         if mode is not None:
             target.chmod(mode)
+    tmp = local / "..data_tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(stamp.name)
+    os.replace(tmp, current)
+    tops = {Path(p).parts[0] for p in payload}
+    for entry in local.iterdir():
+        if entry.name.startswith(".."):
+            continue
+        if entry.name not in tops or not entry.is_symlink():   # a key that left, or stale
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for top in tops:
+        link = local / top
+        if not link.is_symlink():
+            link.symlink_to(Path("..data") / top)
+    if old is not None and old.parent == local:
+        shutil.rmtree(old, ignore_errors=True)
+    return True

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from chart_rbac import RELEASE_NAMESPACE
@@ -61,6 +62,8 @@ class Operator:
         self.starts = 0
         self.env: dict[str, str] = {}
         """Extra environment of the next start (e.g. a fault point)."""
+        self.args: list[str] = []
+        """Extra `dynatrain operator` arguments of the next start (e.g. --allowed-images)."""
 
     def start(self) -> None:
         self.starts += 1
@@ -73,7 +76,7 @@ class Operator:
                # The chart's leader election, on a Lease of this test's own, in the release
                # namespace (where the chart's Role grants Leases), with a short lease.
                ["--leader-lease", f"operator-{self.namespace}", "--lease-seconds", "4",
-                "--lease-namespace", RELEASE_NAMESPACE])],
+                "--lease-namespace", RELEASE_NAMESPACE]), *self.args],
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "DYNATRAIN_OPERATOR_TICK_S": str(self.tick_s),
                  "DYNATRAIN_METRICS_ADDR": "127.0.0.1", **self.env})
@@ -136,9 +139,39 @@ def events(core, namespace, name) -> list:
             if e.involved_object.name == name and e.involved_object.kind == "DynaTrainJob"]
 
 
+def agent_client(core, namespace: str, job_name: str, pod, **kwargs):
+    """A client of worker ``pod``'s agent as the operator makes one: mutual TLS with the
+    operator's client certificate (from the job's ``<job>-agent-pki`` Secret), verifying the
+    pod's name under the job's Service, and the job's token (``<job>-agent-token``)."""
+    import base64
+
+    from dynatrain.agent.auth import ClientTls
+    from dynatrain.agent.client import AgentClient
+    from dynatrain.operator import pki
+
+    data = pki.secret_bytes(core.read_namespaced_secret(pki.pki_secret_name(job_name),
+                                                        namespace).data)
+    token = base64.b64decode(core.read_namespaced_secret(f"{job_name}-agent-token", namespace)
+                             .data["token"]).decode()
+    tls = ClientTls(data["serving-ca.crt"], data["client.crt"], data["client.key"],
+                    server_name=pki.server_name(pod.metadata.name, job_name, namespace))
+    return AgentClient(f"{pod.status.pod_ip}:50051", token=token, tls=tls, **kwargs)
+
+
 def condition(custom, namespace, name, kind) -> dict | None:
     """The job's status condition of this type, if it has one."""
     for c in get(custom, namespace, name).get("status", {}).get("conditions", []):
         if c["type"] == kind:
             return c
     return None
+
+
+def apply(kubectl, namespace, tmp_path, doc) -> None:
+    """``kubectl apply`` of ``doc`` (a fresh file per call: a test may apply a job twice)."""
+    path = tmp_path / f"{doc['metadata']['name']}-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    kubectl("apply", "-n", namespace, "-f", str(path))
+
+
+def job_pods(core, namespace, name) -> list:
+    return core.list_namespaced_pod(namespace, label_selector=f"dynatrain.io/job={name}").items

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -31,20 +32,25 @@ POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090",
                  "--leader-lease", "dynatrain-operator", "--lease-seconds", "10",
                  "--max-pods-per-job", "256", "--worker-cpu", "1",
-                 "--worker-memory", "4Gi"]
+                 "--worker-memory", "4Gi", "--cert-lifetime", "30d"]
 
 # (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
 EXPECTED_RULES = {
     ("dynatrain.io", "dynatrainjobs"): {"get", "list", "watch", "patch"},
     ("dynatrain.io", "dynatrainjobs/status"): {"patch"},
-    ("dynatrain.io", "dynatrainjobs/scale"): {"get", "patch"},
     ("dynatrain.io", "dynatrainjobs/finalizers"): {"update"},
     ("", "pods"): {"create", "delete", "get", "list", "watch", "patch"},
     # patch: kept matching the spec; delete: a previous job's of the same name is replaced
     ("", "services"): {"create", "delete", "get", "list", "watch", "patch"},
     ("", "events"): {"create", "patch"},
     ("", "nodes"): {"get", "list", "watch"},
-    ("", "secrets"): {"get", "create", "delete"},   # create: the agents' token when none is named
+    # create: the agents' token when none is named, and each job's TLS Secrets (operator/pki.py);
+    # patch: those rotated in place before their certificates expire
+    ("", "secrets"): {"get", "create", "delete", "patch"},
+    # a job with spec.agent.issuerRef: its two cert-manager Certificates
+    ("cert-manager.io", "certificates"): {"get", "create", "patch"},
+    # each job's NetworkPolicy (operator/netpol.py), kept like its Service
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},   # the job manifest, for workers
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
@@ -128,7 +134,7 @@ def test_helm_lint(helm):
 def test_template_renders_the_operator(helm):
     kinds = by_kind(render(helm))
     assert set(kinds) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                          "Service", "ConfigMap", "Role", "RoleBinding"}
+                          "Service", "ConfigMap", "Role", "RoleBinding", "NetworkPolicy"}
     (deploy,) = kinds["Deployment"]
     # Two replicas, one acting: leader election on a Lease, which a Role grants in the
     # release's namespace and nowhere else.
@@ -172,6 +178,70 @@ def test_rbac_is_least_privilege(helm):
             for resource in rule["resources"]:
                 granted.setdefault((group, resource), set()).update(rule["verbs"])
     assert granted == EXPECTED_RULES
+
+
+def _grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    return {(g, r): set(rule["verbs"]) for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"]}
+
+
+def test_secret_access_can_be_narrowed_to_listed_namespaces(helm):
+    kinds = by_kind(render(helm, "--set", "rbac.secretNamespaces={team-a,team-b}"))
+    (cluster_role,) = kinds["ClusterRole"]
+    assert ("", "secrets") not in _grants(cluster_role)
+    secret_roles = {r["metadata"]["namespace"]: r for r in kinds["Role"]
+                    if r["metadata"]["name"].endswith("-secrets")}
+    assert set(secret_roles) == {"team-a", "team-b"}
+    for ns, role in secret_roles.items():       # the same verbs as the cluster-wide rule
+        assert _grants(role) == {("", "secrets"): EXPECTED_RULES[("", "secrets")]}, ns
+    bindings = {b["metadata"]["namespace"]: b for b in kinds["RoleBinding"]
+                if b["metadata"]["name"].endswith("-secrets")}
+    (sa,) = kinds["ServiceAccount"]
+    for ns in ("team-a", "team-b"):
+        assert bindings[ns]["roleRef"]["name"] == secret_roles[ns]["metadata"]["name"]
+        assert bindings[ns]["subjects"] == [{"kind": "ServiceAccount",
+                                            "name": sa["metadata"]["name"],
+                                            "namespace": "dynatrain"}]
+
+
+def test_security_values_become_operator_flags_and_the_operators_policy(helm):
+    docs = render(helm)
+    (deploy,) = by_kind(docs)["Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # the job policies admit the operator's pods by these labels: its selector labels
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert env["DYNATRAIN_OPERATOR_POD_LABELS"] == ",".join(
+        f"{k}={v}" for k, v in sorted(selector.items()))
+    assert selector.items() <= pod_labels.items()
+    # the operator pods' own policy
+    (policy,) = by_kind(docs)["NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": selector}
+    assert spec["policyTypes"] == ["Ingress"]
+    stores, metrics, health = spec["ingress"]
+    assert stores == {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/managed-by": "dynatrain-operator"}}}]}        # every port
+    assert metrics == {"from": [{"namespaceSelector": {"matchLabels": {}}}],
+                       "ports": [{"protocol": "TCP", "port": 9090}]}
+    assert health == {"ports": [{"protocol": "TCP", "port": 8080}]}
+    # the values, set
+    docs = render(helm, "--set", "allowedImages={registry.example.com/team/,dynatrain:}",
+                  "--set", "networkPolicy.metricsNamespaceSelector.matchLabels.team=mon",
+                  "--set", "networkPolicy.enabled=false")
+    (deploy,) = by_kind(docs)["Deployment"]
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[len(OPERATOR_ARGS):] == [
+        "--no-network-policy", "--metrics-namespace-selector", "team=mon",
+        "--allowed-images", "registry.example.com/team/,dynatrain:"]
+    assert "NetworkPolicy" not in by_kind(docs)
+    # every flag the chart can pass is one `dynatrain operator` accepts
+    help_text = subprocess.run([sys.executable, "-m", "dynatrain",
+                                "operator", "--help"], capture_output=True, text=True,
+                               timeout=120).stdout
+    for flag in ("--no-network-policy", "--metrics-namespace-selector", "--allowed-images"):
+        assert flag in help_text, flag
 
 
 def test_monitors_only_when_the_api_exists(helm):
@@ -272,14 +342,14 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
 
     allowed = [("watch", "dynatrainjobs.dynatrain.io"),
                ("patch", "dynatrainjobs.dynatrain.io", "status"),
-               ("get", "dynatrainjobs.dynatrain.io", "scale"),
-               ("patch", "dynatrainjobs.dynatrain.io", "scale"),
                ("update", "dynatrainjobs.dynatrain.io", "finalizers"),
                ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
                ("create", "services"), ("get", "secrets"), ("create", "secrets"),
                ("get", "configmaps"), ("create", "configmaps"), ("patch", "configmaps"),
                ("delete", "configmaps"), ("patch", "services"), ("delete", "secrets"),
                ("list", "nodes"), ("list", "pods"),
+               ("create", "networkpolicies.networking.k8s.io"),
+               ("patch", "networkpolicies.networking.k8s.io"),
                ("create", "events"), ("list", "namespaces"),
                ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
                ("get", "leases.coordination.k8s.io"), ("create", "leases.coordination.k8s.io"),
@@ -287,6 +357,10 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
     denied = [("delete", "dynatrainjobs.dynatrain.io"), ("create", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io", "status"),
+              # the operator never calls the scale subresource (kubectl scale is the user's)
+              ("get", "dynatrainjobs.dynatrain.io", "scale"),
+              ("patch", "dynatrainjobs.dynatrain.io", "scale"),
+              ("list", "networkpolicies.networking.k8s.io"),
               ("list", "secrets"), ("watch", "secrets"), ("update", "secrets"),
               ("create", "deployments.apps"), ("patch", "nodes"), ("delete", "nodes"),
               ("update", "pods"), ("create", "pods", "exec"), ("create", "pods", "eviction"),

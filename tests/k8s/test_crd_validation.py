@@ -167,6 +167,13 @@ INVALID = [
     Case("port-privileged", setting("spec.agent.port", 80), "spec.agent.port", True),
     Case("port-below-1024", setting("spec.agent.port", 1023), "spec.agent.port", True),
     Case("port-is-metrics-port", setting("spec.agent.port", 9400), "spec.agent.port", True),
+    # ... and its plaintext health port (the kubelet's probe) on 9401.
+    Case("port-is-health-port", setting("spec.agent.port", 9401), "spec.agent.port", True),
+    Case("issuer-kind-unknown", setting("spec.agent.issuerRef", {"name": "ca",
+                                                                 "kind": "Vault"}),
+         "spec.agent.issuerRef.kind", True),
+    Case("issuer-no-name", setting("spec.agent.issuerRef", {"kind": "ClusterIssuer"}),
+         "spec.agent.issuerRef.name", True),
     Case("secret-bad-name", setting("spec.agent.authSecret", "Agent_Token"),
          "spec.agent.authSecret", False),
     Case("policy-unknown", setting("spec.preemptionPolicy", "Evict"), "spec.preemptionPolicy",
@@ -399,7 +406,8 @@ def _get(custom, namespace: str, name: str) -> dict:
 def running_job(name: str) -> dict:
     """The base job with every optional immutable field set (recovery too)."""
     doc = base_job(name)
-    doc["spec"]["recovery"] = {"mirror": True, "resumeFrom": "/checkpoints/step-100"}
+    # Relative to spec.checkpoint.path, so it stays on the claim when an edit moves the mount.
+    doc["spec"]["recovery"] = {"mirror": True, "resumeFrom": "old-run/step-00000100"}
     doc["spec"]["output"] = {"hf": "/checkpoints/out/gpt"}
     return doc
 
@@ -757,6 +765,7 @@ def test_reserved_ports_and_paths_match_the_operator():
     from dynatrain.operator import cluster
 
     assert job.WORKER_METRICS_PORT == cluster.METRICS_PORT
+    assert job.WORKER_HEALTH_PORT == cluster.HEALTH_PORT
     for path in (cluster.JOB_FILE, cluster.TOKEN_FILE):
         assert any(path.startswith(m + "/") for m in job.OPERATOR_MOUNTS), path
     spec = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"][
@@ -766,7 +775,8 @@ def test_reserved_ports_and_paths_match_the_operator():
     dirs = re.findall(r"'(/[^']*)'", path_rule)
     assert dirs == ["/", *job.OPERATOR_MOUNTS, *job.SYSTEM_DIRS, "/"], dirs
     port_rule = spec["agent"]["properties"]["port"]["x-kubernetes-validations"][0]["rule"]
-    assert port_rule == f"self >= {job.MIN_AGENT_PORT} && self != {cluster.METRICS_PORT}"
+    assert port_rule == (f"self >= {job.MIN_AGENT_PORT} && self != {cluster.METRICS_PORT} "
+                         f"&& self != {cluster.HEALTH_PORT}")
 
 
 @pytest.mark.parametrize("case", [c for c in INVALID if not c.parser_rejects],

@@ -10,7 +10,6 @@ switching layout live.
 
 from __future__ import annotations
 
-import base64
 import signal
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from kubernetes import client
 from dynatrain.devcluster import NodePool
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
-from operator_process import GROUP, PLURAL, VERSION, Operator, events as _events, \
-    get as _get, job as _job, wait as _wait
+from operator_process import GROUP, PLURAL, VERSION, Operator, agent_client, \
+    events as _events, get as _get, job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,14 +136,11 @@ def test_operator_restart_mid_switch(devcluster, kubectl, namespace, operator, t
     job_pods = core.list_namespaced_pod(namespace, label_selector="dynatrain.io/job=restart").items
     live = [p for p in job_pods if p.metadata.deletion_timestamp is None]
     assert len(live) == st["workers"] == 4
-    # every worker trains on, on the same generation and layout
-    from dynatrain.agent.client import AgentClient
-
-    secret = core.read_namespaced_secret("restart-agent-token", namespace)
-    token = base64.b64decode(secret.data["token"]).decode()
+    # every worker trains on, on the same generation and layout (asked as the operator asks:
+    # mutual TLS and the token)
     seen = set()
     for p in live:
-        with AgentClient(f"{p.status.pod_ip}:50051", token=token) as c:
+        with agent_client(core, namespace, "restart", p) as c:
             s1 = c.status()
             _wait(f"{p.metadata.name} to keep training", lambda: c.status().step > s1.step,
                   timeout=60)

@@ -5,7 +5,9 @@ write a PyTorch Distributed Checkpoint there every ``intervalSteps``. Killing a 
 buddy (the worker that mirrors its state) together leaves no copy of that state in memory:
 the operator restarts the job from the newest checkpoint on the volume, under the layout that
 fits the workers left, and trains on. A second job with ``spec.recovery.resumeFrom`` starts
-from that checkpoint.
+from that checkpoint, named relative to the claim; a job whose resumeFrom lies outside its
+claim is refused before any pod starts. Each job writes its steps in its own folder of the
+claim (``<claim>/<job>/step-N``).
 
 The claim is provisioned by the dev cluster's pod runner (a directory every pod mounting it
 shares, as a ReadWriteMany volume would), bound by kube-controller-manager's binder.
@@ -13,7 +15,7 @@ shares, as a ReadWriteMany volume would), bound by kube-controller-manager's bin
 
 from __future__ import annotations
 
-import base64
+from pathlib import Path
 
 import pytest
 import yaml
@@ -57,16 +59,14 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
         lambda s: s if s.get("phase") == "Running" and s.get("layout") == "dp=1,tp=1,pp=4"
         else None)(_get(custom, namespace, name).get("status", {})), timeout=180)
 
-    from dynatrain.agent.client import AgentClient
+    from operator_process import agent_client
 
-    token = base64.b64decode(core.read_namespaced_secret(
-        f"{name}-agent-token", namespace).data["token"]).decode()
     pods_by_device = {int(p.metadata.labels["dynatrain.io/device"]): p
                       for p in core.list_namespaced_pod(
                           namespace, label_selector=f"dynatrain.io/job={name}").items}
 
     def status(device):
-        with AgentClient(f"{pods_by_device[device].status.pod_ip}:50051", token=token) as c:
+        with agent_client(core, namespace, name, pods_by_device[device]) as c:
             return c.status()
 
     # A checkpoint on the volume first, a couple of steps more (trained again after the
@@ -76,7 +76,9 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
     first = _wait("a checkpoint on the volume", lambda: (lambda s: s if s.checkpoint else None)(
         status(victim)), timeout=120)
     claim_dir = pods.claim_dir(namespace, "ckpt")
-    assert first.checkpoint.startswith(str(claim_dir)), (first.checkpoint, claim_dir)
+    # In the job's own folder of the claim, so another job on it never prunes these steps.
+    assert first.checkpoint.startswith(f"{claim_dir}/{name}/step-"), (first.checkpoint,
+                                                                       claim_dir)
     _wait("two steps past it", lambda: status(victim).step >= first.checkpoint_step + 2,
           timeout=60, interval=0.05)
     for d in (victim, buddy):
@@ -104,10 +106,27 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
         status(survivor)), timeout=120)
     kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false")
 
+    # A job whose resumeFrom is outside its claim is refused at once, naming both.
+    stray = _checkpointed("stray", "ckpt")
+    stray["spec"]["recovery"] = {"resumeFrom": "/etc/step-00000001"}
+    manifest.write_text(yaml.safe_dump(stray))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    cond = _wait("the stray job refused", lambda: next(
+        (c for c in _get(custom, namespace, "stray").get("status", {}).get("conditions", [])
+         if c["type"] == "SpecValid" and c["status"] == "False"), None), timeout=60)
+    assert "spec.recovery.resumeFrom='/etc/step-00000001' is outside " \
+        "spec.checkpoint.path='/checkpoints'" in cond["message"], cond
+    assert not core.list_namespaced_pod(namespace, label_selector="dynatrain.io/job=stray").items
+    kubectl("delete", "dynatrainjob", "stray", "-n", namespace, "--wait=false")
+
     # A new job from that checkpoint: its first generation starts at the checkpoint's step.
+    # Named relative to the claim (spec.checkpoint.path): each worker resolves it against its
+    # own mount, so the same manifest works wherever the claim is mounted.
     resumed = "resumed"
     doc = _checkpointed(resumed, "ckpt")
-    doc["spec"]["recovery"] = {"resumeFrom": newest.checkpoint}
+    relative = str(Path(newest.checkpoint).relative_to(claim_dir))
+    assert relative == f"{name}/step-{newest.checkpoint_step:08d}"
+    doc["spec"]["recovery"] = {"resumeFrom": relative}
     doc["spec"]["parallelism"] = {"mode": "auto"}
     manifest.write_text(yaml.safe_dump(doc))
     kubectl("apply", "-n", namespace, "-f", str(manifest))
@@ -115,7 +134,7 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
         lambda s: s if s.get("phase") == "Running" and s.get("step", 0)
         > newest.checkpoint_step else None)(
         _get(custom, namespace, resumed).get("status", {})), timeout=180)
-    assert f"started from checkpoint {newest.checkpoint} at step {newest.checkpoint_step}" \
+    assert f"started from checkpoint {relative} at step {newest.checkpoint_step}" \
         in op.logs()
     data = _wait("the resumed job's audit", lambda: (lambda d: d if d.get("auditedStep", 0)
                                                       > newest.checkpoint_step + 2 else None)(

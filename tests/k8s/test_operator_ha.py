@@ -17,7 +17,6 @@ on the same generation, and no step was trained twice.
 
 from __future__ import annotations
 
-import base64
 import time
 
 import pytest
@@ -104,17 +103,15 @@ def test_the_standby_takes_over_and_adopts_a_switch_in_flight(devcluster, kubect
             or f"finished the committed switch to generation {generation + 1}" in adopted, adopted
 
     # No orphan: every live pod is a worker of the running layout, all on its generation.
-    from dynatrain.agent.client import AgentClient
+    from operator_process import agent_client
 
     live = [p for p in core.list_namespaced_pod(
         namespace, label_selector=f"dynatrain.io/job={name}").items
         if p.metadata.deletion_timestamp is None]
     assert len(live) == st["workers"] == 2
-    secret = core.read_namespaced_secret(f"{name}-agent-token", namespace)
-    token = base64.b64decode(secret.data["token"]).decode()
     ranks = set()
     for p in live:
-        with AgentClient(f"{p.status.pod_ip}:50051", token=token) as c:
+        with agent_client(core, namespace, name, p) as c:
             first = c.status()
             _wait(f"{p.metadata.name} to train on", lambda: c.status().step > first.step,
                   timeout=60)

@@ -39,11 +39,13 @@ _RESOURCES = {"pod": ("", "pods"), "service": ("", "services"), "secret": ("", "
               # the operator's one custom resource (runtime.GROUP, PLURAL)
               "custom_object": ("dynatrain.io", "dynatrainjobs"),
               # leader election (operator/leader.py): the Lease, in the release's namespace
-              "lease": ("coordination.k8s.io", "leases")}
-# Objects whose methods the operator calls: CoreV1Api, CustomObjectsApi, and the
-# CoordinationV1Api that the client's LeaseLock keeps as ``api_instance``.
-_API_CLASSES = {"CoreV1Api", "CustomObjectsApi", "CoordinationV1Api"}
-_CALLERS = r"core|custom|api_instance"
+              "lease": ("coordination.k8s.io", "leases"),
+              # each job's NetworkPolicy (operator/netpol.py)
+              "network_policy": ("networking.k8s.io", "networkpolicies")}
+# Objects whose methods the operator calls: CoreV1Api, CustomObjectsApi, NetworkingV1Api
+# (``net``), and the CoordinationV1Api that the client's LeaseLock keeps as ``api_instance``.
+_API_CLASSES = {"CoreV1Api", "CustomObjectsApi", "CoordinationV1Api", "NetworkingV1Api"}
+_CALLERS = r"core|custom|net|api_instance"
 
 # Where a request goes: "jobs" (any namespace a DynaTrainJob is in), "release" (the
 # operator's own namespace, where its Lease is), "cluster" (cluster-scoped, or all namespaces).
@@ -70,6 +72,12 @@ LIBRARIES = [
     ("create", "coordination.k8s.io", "leases", "", RELEASE),
     ("update", "coordination.k8s.io", "leases", "", RELEASE),
 ]
+
+
+# cert-manager's Certificates of a job with spec.agent.issuerRef (operator/runtime.py
+# _issued_pki, through ``self.cert_manager``, a CustomObjectsApi this scan does not read).
+CERT_MANAGER = [(verb, "cert-manager.io", "certificates", "", JOBS)
+                for verb in ("get", "create", "patch")]
 
 
 def operator_requests() -> list[tuple[str, str, str, str, str]]:
@@ -100,7 +108,7 @@ def operator_requests() -> list[tuple[str, str, str, str, str]]:
 
 
 def all_requests() -> list[tuple[str, str, str, str, str]]:
-    return sorted(set(operator_requests()) | set(LIBRARIES))
+    return sorted(set(operator_requests()) | set(LIBRARIES) | set(CERT_MANAGER))
 
 
 def _can(kubeconfig: Path, request, jobs_namespace: str) -> bool:
@@ -120,7 +128,9 @@ def test_the_operator_code_is_read_for_its_requests():
             ("list", "", "pods", "", CLUSTER), ("watch", "", "nodes", "", CLUSTER),
             ("get", "", "secrets", "", JOBS), ("patch", "", "configmaps", "", JOBS),
             ("patch", "dynatrain.io", "dynatrainjobs", "status", JOBS),
-            ("create", "", "events", "", JOBS)} <= set(reqs), reqs
+            ("create", "", "events", "", JOBS),
+            ("create", "networking.k8s.io", "networkpolicies", "", JOBS),
+            ("patch", "networking.k8s.io", "networkpolicies", "", JOBS)} <= set(reqs), reqs
 
 
 def test_the_token_is_the_charts_service_account(devcluster):
@@ -146,6 +156,9 @@ def test_every_request_of_the_operator_is_granted_and_no_more(devcluster, namesp
     never = [("delete", "dynatrain.io", "dynatrainjobs", "", JOBS),
              ("list", "", "secrets", "", JOBS), ("update", "", "pods", "", JOBS),
              ("create", "", "pods", "exec", JOBS), ("patch", "", "nodes", "", CLUSTER),
+             # the scale subresource is the user's (kubectl scale), never the operator's
+             ("patch", "dynatrain.io", "dynatrainjobs", "scale", JOBS),
+             ("list", "networking.k8s.io", "networkpolicies", "", JOBS),
              ("create", "rbac.authorization.k8s.io", "clusterroles", "", CLUSTER),
              # Leases only in its own namespace (a Role): not those of other controllers.
              ("update", "coordination.k8s.io", "leases", "", JOBS),

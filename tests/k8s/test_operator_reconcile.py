@@ -12,23 +12,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import yaml
 from kubernetes import client
 
-from operator_process import condition, events, get, job, wait
+from operator_process import apply, condition, events, get, job, job_pods, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
-
-
-def _apply(kubectl, namespace, tmp_path, doc) -> None:
-    path = tmp_path / f"{doc['metadata']['name']}-{time.monotonic_ns()}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    kubectl("apply", "-n", namespace, "-f", str(path))
-
-
-def _pods(core, namespace, name) -> list:
-    return core.list_namespaced_pod(namespace, label_selector=f"dynatrain.io/job={name}").items
 
 
 def _false(custom, namespace, name, kind):
@@ -44,14 +33,14 @@ def test_an_unfit_spec_is_named_and_a_fixed_one_runs_without_a_restart(
     # only the parser knows the model, so the operator names it in a condition.
     doc = job("fixme", gpus=1, max_workers=4)
     doc["spec"]["parallelism"] = {"mode": "fixed", "layout": "tp=3"}
-    _apply(kubectl, namespace, tmp_path, doc)
+    apply(kubectl, namespace, tmp_path, doc)
     started = time.monotonic()
     cond = wait("the SpecValid condition", lambda: _false(custom, namespace, "fixme",
                                                           "SpecValid"), timeout=30)
     assert time.monotonic() - started < 30
     assert cond["reason"] == "InvalidSpec" and "spec.parallelism.layout" in cond["message"]
     assert "nothing runs until the spec is fixed" in cond["message"]
-    assert not _pods(core, namespace, "fixme")
+    assert not job_pods(core, namespace, "fixme")
     assert "InvalidSpec" in [e.reason for e in events(core, namespace, "fixme")]
 
     # Fixed: the same operator process picks it up.
@@ -97,13 +86,13 @@ def test_an_unfit_spec_is_named_and_a_fixed_one_runs_without_a_restart(
 def test_more_gpus_than_any_node_has_is_named_and_creates_no_pods(
         devcluster, kubectl, namespace, operator, tmp_path):
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
-    _apply(kubectl, namespace, tmp_path, job("huge", gpus=16, max_workers=2))
+    apply(kubectl, namespace, tmp_path, job("huge", gpus=16, max_workers=2))
     cond = wait("the Schedulable condition", lambda: _false(custom, namespace, "huge",
                                                             "Schedulable"), timeout=30)
     assert cond["reason"] == "NoNodeFits"
     assert "spec.resources.gpus" in cond["message"] and "16" in cond["message"]
     time.sleep(2)
-    assert not _pods(core, namespace, "huge")
+    assert not job_pods(core, namespace, "huge")
     kubectl("delete", "dynatrainjob", "huge", "-n", namespace, "--wait=false")
 
 
@@ -112,7 +101,7 @@ def test_a_crashing_worker_pod_is_replaced_with_back_off(devcluster, kubectl, na
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     doc = job("crashy", gpus=1, max_workers=1)
     doc["spec"]["command"] = ["sh", "-c", "exit 3"]          # every worker crashes at start
-    _apply(kubectl, namespace, tmp_path, doc)
+    apply(kubectl, namespace, tmp_path, doc)
     cond = wait("a replacement", lambda: _false(custom, namespace, "crashy",
                                                 "WorkersHealthy"), timeout=60)
     assert cond["reason"] == "WorkerReplaced", cond
@@ -125,7 +114,7 @@ def test_a_crashing_worker_pod_is_replaced_with_back_off(devcluster, kubectl, na
     assert time.monotonic() - first >= 5, "replaced without back-off"
     cond = condition(custom, namespace, "crashy", "WorkersHealthy")
     assert "(2 so far)" in cond["message"] or st["replacedWorkers"] > 2
-    names = {p.metadata.name for p in _pods(core, namespace, "crashy")
+    names = {p.metadata.name for p in job_pods(core, namespace, "crashy")
              if p.metadata.deletion_timestamp is None}
     assert len(names) <= 1, names                       # never more than maxWorkers at once
     assert "crashy-worker-0" not in names               # the first pod is gone, ids not reused
@@ -140,7 +129,7 @@ def test_a_quota_that_blocks_pods_is_a_condition_and_lifting_it_runs_the_job(
         "metadata": {"name": "no-gpus"}, "spec": {"hard": {"requests.nvidia.com/gpu": "0"}}})
     wait("the controller-manager to count the quota", lambda: (
         core.read_namespaced_resource_quota("no-gpus", namespace).status.hard or {}), timeout=30)
-    _apply(kubectl, namespace, tmp_path, job("quota", gpus=1, max_workers=2))
+    apply(kubectl, namespace, tmp_path, job("quota", gpus=1, max_workers=2))
     cond = wait("the PodsCreated condition", lambda: _false(custom, namespace, "quota",
                                                             "PodsCreated"), timeout=30)
     assert cond["reason"] == "QuotaExceeded" and "quota" in cond["message"], cond
@@ -156,7 +145,7 @@ def test_delete_and_recreate_with_the_same_name_starts_clean(devcluster, kubectl
                                                              operator, tmp_path):
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     first = job("again", gpus=1, max_workers=1)
-    _apply(kubectl, namespace, tmp_path, first)
+    apply(kubectl, namespace, tmp_path, first)
     wait("the first job to run", lambda: get(custom, namespace, "again").get(
         "status", {}).get("phase") == "Running", timeout=150)
     old_uid = get(custom, namespace, "again")["metadata"]["uid"]
@@ -169,7 +158,7 @@ def test_delete_and_recreate_with_the_same_name_starts_clean(devcluster, kubectl
             "--timeout=60s")
     second = job("again", gpus=1, max_workers=1)
     second["spec"]["elastic"]["maxWorkers"] = 2
-    _apply(kubectl, namespace, tmp_path, second)
+    apply(kubectl, namespace, tmp_path, second)
     new_uid = get(custom, namespace, "again")["metadata"]["uid"]
     assert new_uid != old_uid
     try:
@@ -198,9 +187,12 @@ def test_delete_and_recreate_with_the_same_name_starts_clean(devcluster, kubectl
     time.sleep(5)                     # the collector has had its chance: nothing of ours goes
     for read, name in ((core.read_namespaced_config_map, "again-spec"),
                        (core.read_namespaced_secret, "again-agent-token"),
+                       # the job's TLS Secrets (operator/pki.py): its own CAs, never the old's
+                       (core.read_namespaced_secret, "again-agent-pki"),
+                       (core.read_namespaced_secret, "again-agent-tls"),
                        (core.read_namespaced_service, "again-workers")):
         obj = read(name, namespace)
         assert [r.uid for r in obj.metadata.owner_references] == [new_uid], name
-    pods = [p for p in _pods(core, namespace, "again") if p.metadata.deletion_timestamp is None]
+    pods = [p for p in job_pods(core, namespace, "again") if p.metadata.deletion_timestamp is None]
     assert pods and all(p.metadata.owner_references[0].uid == new_uid for p in pods)
     kubectl("delete", "dynatrainjob", "again", "-n", namespace, "--wait=false")

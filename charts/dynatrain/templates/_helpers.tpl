@@ -51,3 +51,24 @@ app.kubernetes.io/component: operator
 {{- define "dynatrain.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{/*
+The operator's rule on Secrets: in the ClusterRole, or in a Role per rbac.secretNamespaces.
+By name only (get): it never lists or watches Secrets.
+*/}}
+{{- define "dynatrain.secretRule" -}}
+# patch: each job's TLS Secrets (<job>-agent-pki, <job>-agent-tls) are rotated in place
+# before their certificates expire (operator/pki.py); a kubelet then updates the mounted copy.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, delete, patch]
+{{- end }}
+
+{{/* "key=value,..." of a label map (sorted by key): the operator's flags' form. */}}
+{{- define "dynatrain.labelsFlag" -}}
+{{- $items := list }}
+{{- range $k, $v := . }}
+{{- $items = append $items (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $items }}
+{{- end }}
