@@ -21,7 +21,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from operator_process import get as _get, job as _job, wait as _wait
+from operator_process import agent_client, get as _get, job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 INTERVAL = 6
@@ -59,15 +59,18 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
         lambda s: s if s.get("phase") == "Running" and s.get("layout") == "dp=1,tp=1,pp=4"
         else None)(_get(custom, namespace, name).get("status", {})), timeout=180)
 
-    from operator_process import agent_client
-
     pods_by_device = {int(p.metadata.labels["dynatrain.io/device"]): p
                       for p in core.list_namespaced_pod(
                           namespace, label_selector=f"dynatrain.io/job={name}").items}
+    # One client (one mutual-TLS connection) per worker, kept open as the operator keeps its
+    # own: a handshake per poll would add hundreds of them to a loaded two-core machine.
+    clients = {}
 
     def status(device):
-        with agent_client(core, namespace, name, pods_by_device[device]) as c:
-            return c.status()
+        if device not in clients:
+            clients[device] = agent_client(core, namespace, name, pods_by_device[device],
+                                           timeout_s=20.0)
+        return clients[device].status()
 
     # A checkpoint on the volume first, a couple of steps more (trained again after the
     # restore), then the victim and its buddy.

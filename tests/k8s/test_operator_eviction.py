@@ -89,8 +89,11 @@ def test_pod_deletion_eviction_and_drain_switch_off_the_worker_live(
                     metadata=client.V1ObjectMeta(name=pod, namespace=namespace)))
             else:
                 drained = node
+                # --delete-emptydir-data: the workers' /tmp and $HOME are emptyDirs (the
+                # root file system is read-only), which drain otherwise refuses to evict.
                 kubectl("drain", node, "--pod-selector", f"{LABEL}={name}",
-                        "--ignore-daemonsets", "--grace-period=30", "--timeout=55s")
+                        "--ignore-daemonsets", "--delete-emptydir-data", "--grace-period=30",
+                        "--timeout=55s")
             _wait(f"a preemption switch after the {way}", lambda: len(
                 _switches(core, namespace, name, "preemption")) > before, timeout=120)
             # The worker saw its switch through and exited by itself, well inside its grace
