@@ -337,14 +337,12 @@ class Fuzzer:
             return payload, False                  # not a message: INVALID_ARGUMENT
         if 1 <= req.generation <= self.stale_max:
             return payload, False
-        try:
-            if len(payload) > 65536:
-                raise RuntimeError("not checked here: too big to check quickly")
-            agent_server.check_prepare(req)
-        except agent_server.InvalidRequest:
-            return payload, False                  # refused by the wire checks
-        except Exception:
-            pass      # a check that changed signature or failed: treat it as if it passed
+        if len(payload) <= 65536:                  # larger ones: too slow to check here
+            try:
+                agent_server.check_prepare(req)
+            except agent_server.InvalidRequest:
+                return payload, False              # refused by the wire checks
+        # It might be accepted (or was not checked): a stale generation, by construction.
         req.generation = rng.randint(1, self.stale_max)
         return req.SerializeToString(), True
 

@@ -13,14 +13,11 @@ CA that signs the workers' certificate.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import signal
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ from dynatrain.agent.server import (ANSWER_CODES, MAX_DEVICES_PER_NODE, MAX_MESS
                                     check_commit, check_prepare, check_rendezvous,
                                     check_rendezvous_owner, peer_host, serve)
 from dynatrain.agent.v1 import agent_pb2
+from dynatrain.bench.fuzz import spawn_worker
 
 from test_worker_live import _wait_steps
 
@@ -497,20 +495,6 @@ def _override():
 # A real worker process, attacked while it trains
 
 
-def _spawn_worker(tmp: Path, device: int, *args: str) -> tuple[subprocess.Popen, dict]:
-    ready = tmp / f"ready-{device}"
-    with open(tmp / f"worker-{device}.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.agent.worker", "--device",
-                                 str(device), "--ready-file", str(ready), "--threads", "1",
-                                 *args], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None, (tmp / f"worker-{device}.log").read_text()
-        assert time.monotonic() < deadline, "worker did not start"
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
-
-
 @pytest.mark.slow
 def test_live_workers_over_mutual_tls(pki, tmp_path):
     from dynatrain.controller.orchestrator import switch
@@ -533,11 +517,11 @@ def test_live_workers_over_mutual_tls(pki, tmp_path):
     try:
         for device in (0, 1):
             health_port = _free_port()
-            proc, info = _spawn_worker(
-                tmp_path, device, "--job", str(job), "--token-file", str(token),
-                "--tls-dir", str(tls_dir), "--health-port", str(health_port),
-                "--checkpoint-dir", str(tmp_path / "ckpt"),
-                "--checkpoint-source", str(tmp_path / "source"))
+            proc, info = spawn_worker(
+                tmp_path, job, token, device, extra=(
+                    "--tls-dir", str(tls_dir), "--health-port", str(health_port),
+                    "--checkpoint-dir", str(tmp_path / "ckpt"),
+                    "--checkpoint-source", str(tmp_path / "source")))
             procs.append(proc)
             assert info["health_port"] == health_port
             ops[device] = AgentClient(f"127.0.0.1:{info['agent_port']}",

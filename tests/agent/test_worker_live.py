@@ -3,11 +3,8 @@ gRPC code and keeps training throughout; then it switches live when asked proper
 
 from __future__ import annotations
 
-import json
 import secrets
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import yaml
 from dynatrain.agent.auth import bearer_metadata
 from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.v1 import agent_pb2
+from dynatrain.bench.fuzz import spawn_worker
 from dynatrain.controller.orchestrator import switch
 from dynatrain.vps.layout import parse_layout
 
@@ -27,18 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def _spawn(tmp: Path, job: Path, token: Path, device: int):
-    ready = tmp / f"ready-{device}"
-    log = open(tmp / f"worker-{device}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dynatrain.agent.worker", "--job", str(job),
-                             "--device", str(device), "--token-file", str(token),
-                             "--ready-file", str(ready), "--threads", "1"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None, (tmp / f"worker-{device}.log").read_text()
-        assert time.monotonic() < deadline, "worker did not start"
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
+    proc, info = spawn_worker(tmp, job, token, device)
     return proc, f"127.0.0.1:{info['agent_port']}"
 
 
