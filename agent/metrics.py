@@ -55,6 +55,46 @@ sizes in bytes, per Prometheus conventions):
     ``dynatrain_layout_info`` has exactly one series per job and can be joined onto other
     metrics ``on (namespace, job)``.
 
+Training figures (workers only). The job-wide ones are exported by **one worker at a time,
+the job's rank 0** (every rank learns the loss from the step's all-reduce, so any could; one
+does, so that no sum or count over workers counts a step twice). When a switch makes another
+device rank 0, the old one stops exporting them at that step and the new one starts, so the
+series moves from one pod to the other with no overlap (aggregate ``max by (namespace, job)``
+to draw it as one line):
+
+``dynatrain_loss`` (gauge)
+    Mean next-token cross-entropy of the last step's global batch.
+``dynatrain_learning_rate`` (gauge)
+    The learning rate the last step's update used (the schedule's, at that step).
+``dynatrain_grad_norm`` (gauge)
+    Global L2 norm of the last step's gradient before clipping (the logical model's, each
+    element counted once).
+``dynatrain_samples_total`` (counter)
+    Samples of the global batch consumed since the job began (steps x global batch; the
+    new rank 0 after a switch goes on from the same total).
+``dynatrain_mfu`` (gauge)
+    Modelled model-FLOPs utilisation: the model's training FLOPs per token (the cost model's
+    count, :func:`dynatrain.controller.stagecost.training_flops_per_token`) times the job's
+    tokens per second, over the peak FLOP/s of all the job's devices (their device profile's
+    datasheet peak: H100, A100, ...; on the CPU, the profile's nominal rate).
+``dynatrain_training_step`` (gauge)
+    The step the figures above belong to (equal to ``dynatrain_step`` of the same worker;
+    kept beside them so that a scrape always reads a figure with its own step).
+``dynatrain_checkpoint_age_seconds``, ``dynatrain_checkpoint_step`` (gauges)
+    Seconds since the newest periodic checkpoint was written (computed at scrape time) and
+    its step; only while the job has one (``spec.checkpoint``).
+
+And every worker, for its own device:
+
+``dynatrain_step_phase_seconds{phase}`` (gauge)
+    The last step's wall time split into ``compute``, ``communication`` (waiting for
+    collectives and pipeline messages: communication not hidden behind compute) and
+    ``redundancy`` (waiting for the in-memory mirrors within the step, plus taking the
+    snapshot after it).
+``dynatrain_gpu_memory_bytes{kind}`` (gauge)
+    The CUDA caching allocator's ``allocated`` and ``reserved`` bytes after the last step;
+    only on a GPU (a CPU worker has no such series).
+
 prometheus_client also exposes a ``<name>_created`` timestamp series for every counter and
 histogram; Prometheus 2.x stores those as ordinary series, which only add noise here, so this
 module filters them out of its own registry (without the process-wide switch
@@ -64,9 +104,12 @@ module filters them out of its own registry (without the process-wide switch
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dynatrain.vps.layout import Layout, parse_layout
@@ -87,26 +130,95 @@ SWITCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
+STEP_PHASES = ("compute", "communication", "redundancy")
+"""How a worker's step time is split (``dynatrain_step_phase_seconds{phase}``)."""
+
 _LAYOUT_LABELS = ("dp", "tp", "pp", "ep", "zero")
 JOB_LABELS = ("namespace", "job")
 """The labels every series carries: the DynaTrainJob's namespace and name."""
 
 
-class _WithoutCreated(Collector):
-    """Exposes a set of metrics minus their ``_created`` samples (see the module docstring)."""
+@dataclass(frozen=True)
+class TrainingSample:
+    """One step's job-wide training figures, as the job's rank 0 exports them."""
 
-    def __init__(self, metrics):
+    step: int
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    samples: int
+    """Samples consumed since the job began, through this step."""
+    mfu: float
+    """Modelled model-FLOPs utilisation of the job's devices over this step (0..1)."""
+
+
+class _JobTraining:
+    """The job-wide training figures of the worker that is rank 0 (nothing on the others):
+    one frozen sample replaced per step, read whole by a scrape."""
+
+    def __init__(self, namespace: str, job: str):
+        self.labels = (namespace, job)
+        self.sample: TrainingSample | None = None
+        self.checkpoint: tuple[int, float] | None = None
+        """(step, wall time) of the newest checkpoint, while this worker exports."""
+
+    def families(self):
+        sample, labels = self.sample, self.labels
+        if sample is None:
+            return []
+        out = []
+        for name, text, value in (
+                ("dynatrain_loss", "Mean next-token cross-entropy of the last step's global "
+                 "batch (exported by the job's rank 0).", sample.loss),
+                ("dynatrain_learning_rate", "Learning rate of the last step's update.",
+                 sample.learning_rate),
+                ("dynatrain_grad_norm", "Global gradient L2 norm of the last step, before "
+                 "clipping.", sample.grad_norm),
+                ("dynatrain_mfu", "Modelled model-FLOPs utilisation of the job's devices "
+                 "over the last step.", sample.mfu),
+                ("dynatrain_training_step", "The step the training figures belong to.",
+                 sample.step)):
+            family = GaugeMetricFamily(name, text, labels=JOB_LABELS)
+            family.add_metric(labels, value)
+            out.append(family)
+        samples = CounterMetricFamily("dynatrain_samples", "Samples consumed since the job "
+                                      "began.", labels=JOB_LABELS)
+        samples.add_metric(labels, sample.samples)
+        out.append(samples)
+        if self.checkpoint is not None:
+            step, at = self.checkpoint
+            age = GaugeMetricFamily("dynatrain_checkpoint_age_seconds",
+                                    "Seconds since the newest checkpoint was written.",
+                                    labels=JOB_LABELS)
+            age.add_metric(labels, max(0.0, time.time() - at))
+            ckpt = GaugeMetricFamily("dynatrain_checkpoint_step",
+                                     "Step of the newest checkpoint.", labels=JOB_LABELS)
+            ckpt.add_metric(labels, step)
+            out += [age, ckpt]
+        return out
+
+
+class _WithoutCreated(Collector):
+    """Exposes a set of metrics minus their ``_created`` samples (see the module docstring),
+    plus the job's training figures, all read under the Metrics' lock so that one scrape sees
+    one step's values together."""
+
+    def __init__(self, metrics, training: _JobTraining, lock):
         self._metrics = tuple(metrics)
+        self._training = training
+        self._lock = lock
 
     def describe(self):
         # Lets the registry check for duplicate names without collecting values.
         return [family for metric in self._metrics for family in metric.describe()]
 
     def collect(self):
-        for metric in self._metrics:
-            for family in metric.collect():  # a fresh Metric object on every collect
-                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
-                yield family
+        with self._lock:       # materialised here: a generator must not hold a lock
+            families = [family for metric in self._metrics for family in metric.collect()]
+            families += self._training.families()
+        for family in families:  # a fresh Metric object on every collect
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
 
 
 class Metrics:
@@ -162,17 +274,27 @@ class Metrics:
         self.layout_info = Gauge(
             "dynatrain_layout_info", "The current parallelism layout (value always 1).",
             [*JOB_LABELS, *_LAYOUT_LABELS], registry=None)
+        self.step_phases = Gauge(
+            "dynatrain_step_phase_seconds", "This worker's last step, split into compute, "
+            "communication and redundancy.", [*JOB_LABELS, "phase"], registry=None)
+        self.gpu_memory = Gauge(
+            "dynatrain_gpu_memory_bytes", "CUDA allocator bytes (allocated, reserved) after "
+            "the last step.", [*JOB_LABELS, "kind"], registry=None)
+        self._training = _JobTraining(namespace, job)
+        # Guards the layout's "add new, remove old", the set of initialised reasons, and a
+        # step's values against a scrape reading half of them (reentrant: the collector holds
+        # it while the metric objects take their own locks).
+        self._lock = threading.RLock()
         self._collector = _WithoutCreated([
             self.switch_duration, self.switch_bytes, self.switches, step_duration,
-            tokens_per_second, step, workers, generation, self.layout_info])
+            tokens_per_second, step, workers, generation, self.layout_info, self.step_phases,
+            self.gpu_memory], self._training, self._lock)
         self.registry.register(self._collector)
         self.step_duration = step_duration.labels(namespace, job)
         self.tokens_per_second = tokens_per_second.labels(namespace, job)
         self.step = step.labels(namespace, job)
         self.workers = workers.labels(namespace, job)
         self.generation = generation.labels(namespace, job)
-        # Guards the layout's "add new, remove old" and the set of initialised reasons.
-        self._lock = threading.Lock()
         self._layout_labels: tuple[str, ...] | None = None
         self._reasons: set[str] = set()
         for reason in reasons:
@@ -180,11 +302,45 @@ class Metrics:
 
     # -- recording -------------------------------------------------------------------------
 
-    def observe_step(self, seconds: float, tokens_per_second: float, step: int) -> None:
-        """Record one finished training step."""
-        self.step_duration.observe(seconds)
-        self.tokens_per_second.set(tokens_per_second)
-        self.step.set(step)
+    def observe_step(self, seconds: float, tokens_per_second: float, step: int, *,
+                     phases: dict[str, float] | None = None,
+                     training: TrainingSample | None = None, owner: bool = False) -> None:
+        """Record one finished training step, all of it at once for a scrape. A worker also
+        gives its step's ``phases`` (:data:`STEP_PHASES`) and, with ``owner`` (it is the job's
+        rank 0), the job-wide ``training`` figures; ``owner=False`` stops exporting them."""
+        if phases is not None:
+            unknown = sorted(set(phases) - set(STEP_PHASES))
+            if unknown:
+                raise ValueError(f"step phases {unknown} unknown; valid: "
+                                 f"{', '.join(STEP_PHASES)}")
+        with self._lock:
+            self.step_duration.observe(seconds)
+            self.tokens_per_second.set(tokens_per_second)
+            self.step.set(step)
+            for phase, value in (phases or {}).items():
+                self.step_phases.labels(self.namespace, self.job, phase).set(value)
+            self._training.sample = training if owner else None
+            if not owner:
+                self._training.checkpoint = None
+
+    def observe_training_owner(self, owner: bool) -> None:
+        """``False``: this worker is no longer the job's rank 0 (a switch moved it): stop
+        exporting the job's training figures now, not at its next step."""
+        if not owner:
+            with self._lock:
+                self._training.sample = self._training.checkpoint = None
+
+    def observe_checkpoint(self, step: int, wall_time: float | None = None) -> None:
+        """The job's newest checkpoint (exported by the job's rank 0 with its training
+        figures; ``wall_time`` defaults to now)."""
+        with self._lock:
+            self._training.checkpoint = (step, time.time() if wall_time is None else wall_time)
+
+    def set_gpu_memory(self, allocated: int, reserved: int) -> None:
+        """The CUDA allocator's figures (a GPU worker's only)."""
+        with self._lock:
+            self.gpu_memory.labels(self.namespace, self.job, "allocated").set(allocated)
+            self.gpu_memory.labels(self.namespace, self.job, "reserved").set(reserved)
 
     def observe_switch(self, reason: str, result: str, phases: dict[str, float],
                        bytes_moved: int) -> None:

@@ -125,6 +125,13 @@ def main(argv=None) -> int:
     parser.add_argument("--save-hf", default="", metavar="OUT",
                         help="when the job completes, write the trained model to OUT as a "
                              "Hugging Face checkpoint (default: the job's spec.output.hf)")
+    parser.add_argument("--tensorboard", default="", metavar="DIR",
+                        help="while this worker is the job's rank 0, write TensorBoard event "
+                             "files to DIR (default: the job's spec.output.tensorboard, else "
+                             "<checkpoint dir>/<job>/tensorboard when the job checkpoints)")
+    parser.add_argument("--log-every", type=int, default=0, metavar="N",
+                        help="while rank 0, log a step line every N steps (default: the job's "
+                             "spec.output.logEverySteps, 10)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto (default): NCCL on a GPU when the job's "
                              "spec.resources.gpus >= 1, gloo on the CPU when 0; nccl: GPU or "
@@ -133,6 +140,9 @@ def main(argv=None) -> int:
                         help="with NCCL, the visible GPU to use (default: LOCAL_RANK if set, "
                              "else 0: a pod sees only the GPUs its device plugin gave it)")
     args = parser.parse_args(argv)
+    if args.log_every < 0:
+        parser.error(f"--log-every {args.log_every} is invalid; expected N >= 1, or 0 for the "
+                     "job's spec.output.logEverySteps")
     if not 0 <= args.health_port <= 65535:
         parser.error(f"--health-port {args.health_port} is invalid; expected 1..65535, or 0 "
                      "for none")
@@ -156,7 +166,8 @@ def main(argv=None) -> int:
     _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
     worker = Worker(job, args.device, backend=backend, torch_device=device, metrics=metrics,
                     checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf,
-                    checkpoint_sources=args.checkpoint_source)
+                    checkpoint_sources=args.checkpoint_source,
+                    tensorboard_dir=args.tensorboard, log_every=args.log_every)
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()

@@ -32,7 +32,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dynatrain.controller.hardware import PROFILES, profile_for_gpu_name
 from dynatrain.controller.job import JobSpec
+from dynatrain.controller.stagecost import training_flops_per_token
 from dynatrain.trainer.checkpoint import CheckpointPathError, check_checkpoint_path
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.redundancy import Redundancy
@@ -43,6 +45,7 @@ from dynatrain.vps.generations import DeviceManager
 from dynatrain.vps.layout import Layout, bind
 
 from .metrics import REASONS, Metrics
+from .training_log import TrainingLog
 from .server import CommitTimeout, InvalidRequest, PreconditionFailed, Recovery
 from .v1 import agent_pb2 as pb
 
@@ -51,6 +54,16 @@ STEP_RECORDS = 1000
 DEFAULT_GRACE_S = 30.0
 """How long a worker told to leave expects to live on (Kubernetes' default
 ``terminationGracePeriodSeconds``; the worker's ``--grace-seconds``)."""
+
+
+def device_peak_flops(device: torch.device) -> float:
+    """Peak FLOP/s of one device, what the modelled MFU divides by: a GPU's preset by its name
+    (its datasheet peak), the CPU preset's per-core rate times this process's torch threads;
+    NaN for a GPU with no preset (no MFU is claimed for it)."""
+    if device.type == "cuda":
+        profile = profile_for_gpu_name(torch.cuda.get_device_name(device))
+        return profile.peak_flops() if profile is not None else float("nan")
+    return PROFILES["cpu"].peak_flops() * torch.get_num_threads()
 
 
 @dataclass
@@ -91,7 +104,8 @@ class WorkerControl:
     def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
                  metrics: Metrics | None = None, torch_device: torch.device | None = None,
                  checkpoint_dir: str = "", save_hf: str = "",
-                 checkpoint_sources: tuple[str, ...] | list[str] = ()):
+                 checkpoint_sources: tuple[str, ...] | list[str] = (),
+                 tensorboard_dir: str = "", log_every: int = 0):
         self.job, self.device, self.backend = job, device, backend
         self.save_hf = save_hf or job.save_hf
         """Where the trained model goes as a Hugging Face checkpoint when the job completes."""
@@ -125,6 +139,15 @@ class WorkerControl:
         own checkpoints go) and the ``--checkpoint-source`` directories (e.g. the local
         runner's ``--resume-from``)."""
         self.checkpoint: tuple[str, int] | None = None
+        self.checkpoint_time = 0.0
+        """Wall time the newest checkpoint was written (its age is a metric)."""
+        self.training_log = TrainingLog(
+            job.name, device, steps=job.training.steps, log_every=log_every or job.log_every,
+            tensorboard_dir=tensorboard_dir or job.tensorboard_dir(self.checkpoint_dir))
+        """The job's step lines and TensorBoard events, while this worker is rank 0."""
+        self.flops_per_token = training_flops_per_token(job.model, job.training.seq_len)
+        self.peak_flops = device_peak_flops(self.torch_device)
+        """Per device, for the modelled MFU (:func:`device_peak_flops`)."""
         self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
                            if x.strip()}
         """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""

@@ -10,11 +10,14 @@ snapshot (and mirrors it to the buddy) and, when due, a checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
+
+import torch
 
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.redundancy import Redundancy
@@ -25,6 +28,7 @@ from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.layout import bind
 from dynatrain.vps.transition import TransitionConfig
 
+from .metrics import TrainingSample
 from .server import SwitchAborted
 from .v1 import agent_pb2 as pb
 from .worker_control import Pending, Previous, State, WorkerControl
@@ -36,6 +40,12 @@ class Worker(WorkerControl):
     """The training loop (main thread) over the state that the agent's Control shares."""
 
     def run(self) -> int:
+        try:
+            return self._loop()
+        finally:
+            self.training_log.close()     # the event file whole, whatever ends the loop
+
+    def _loop(self) -> int:
         told_leaving = False
         while True:
             if self.leaving_at is not None and not told_leaving:
@@ -72,10 +82,11 @@ class Worker(WorkerControl):
             # before its snapshot, so every step a snapshot holds has a record to account for.
             self._record(result)
             try:
-                self._after_step()
+                snapshot_seconds = self._after_step()
             except Exception as e:                   # the mirror exchange met a dead peer
                 self._interrupt(e)
                 continue
+            self._report(result, snapshot_seconds)
             self._release_previous()
             with self.lock:
                 if self.trainer.step >= self.job.training.steps:
@@ -87,12 +98,14 @@ class Worker(WorkerControl):
                     p.commit_at = -1          # agreed: switch at this boundary
                     self.wake.notify_all()
 
-    def _after_step(self) -> None:
+    def _after_step(self) -> float:
         """Redundancy at the step boundary: the in-memory snapshot (and its mirror to the
-        buddy), and the periodic checkpoint when one is due."""
+        buddy), and the periodic checkpoint when one is due. Returns the snapshot's seconds."""
         t = self.trainer
+        t0 = time.perf_counter()
         if self.redundancy is not None:
             self.redundancy.snapshot(t.local_state())
+        snapshot_seconds = time.perf_counter() - t0
         if t.step in self.dump_steps:
             _dump_state(t, f"step{t.step}")
         if self.save_hf and t.step == self.job.training.steps:
@@ -109,6 +122,8 @@ class Worker(WorkerControl):
                                     hf_source=self.job.training.init_hf, job=self.job.name)
             with self.lock:
                 self.checkpoint = (saved.path, t.step)
+                self.checkpoint_time = time.time()
+        return snapshot_seconds
 
     def _save_hf(self) -> None:
         """The job's last step is trained: every rank writes its part of a DCP checkpoint
@@ -297,6 +312,7 @@ class Worker(WorkerControl):
         if trainer is not None and (p.recovery is not None or p.checkpoint):
             _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)
+        self._tell_switch(p, old_layout, step, pause)
 
     def _restore(self, p: Pending):
         """A recovery's old state: this device's snapshot of the restore step (if it was in
@@ -320,7 +336,57 @@ class Worker(WorkerControl):
         with self.lock:
             self.records.append(rec)
             self.tokens_per_second = r.tokens_per_second
-        self.metrics.observe_step(r.seconds, r.tokens_per_second, r.step)
+
+    def _report(self, r, snapshot_seconds: float) -> None:
+        """The step's figures: this device's own on its metrics endpoint (step time and its
+        split, GPU memory), and, while it is the job's rank 0, the job's (loss, learning
+        rate, gradient norm, samples, modelled MFU, checkpoint age) there, in a step line
+        every ``log_every`` steps and in TensorBoard."""
+        t, owner = self.trainer, self.rank == 0
+        phases = dict(r.phases)
+        phases["redundancy"] = phases.get("redundancy", 0.0) + snapshot_seconds
+        devices = self.layout.world * self.job.gpus_per_worker if self.job.gpus_per_worker \
+            else self.layout.world
+        # tokens/s x FLOPs per token over the peak of every device of the job
+        mfu = r.tokens_per_second * self.flops_per_token / (devices * self.peak_flops)
+        sample = None
+        if owner:
+            sample = TrainingSample(step=r.step, loss=r.loss, learning_rate=r.lr,
+                                    grad_norm=r.grad_norm, samples=t.position, mfu=mfu)
+            if self.checkpoint is not None:
+                self.metrics.observe_checkpoint(self.checkpoint[1], self.checkpoint_time)
+        self.metrics.observe_step(r.seconds, r.tokens_per_second, r.step, phases=phases,
+                                  training=sample, owner=owner)
+        if self.torch_device.type == "cuda":
+            self.metrics.set_gpu_memory(torch.cuda.memory_allocated(self.torch_device),
+                                        torch.cuda.memory_reserved(self.torch_device))
+        if owner:
+            self.training_log.step(step=r.step, loss=r.loss, learning_rate=r.lr,
+                                   grad_norm=r.grad_norm, tokens_per_second=r.tokens_per_second,
+                                   mfu=mfu if math.isfinite(mfu) else float("nan"),
+                                   layout=self.layout.to_text(), phases=phases,
+                                   seconds=r.seconds)
+
+    def _tell_switch(self, p: Pending, old_layout, step: int, pause: float) -> None:
+        """The new rank 0 says the switch (or recovery, or the job's start) in its log and in
+        TensorBoard; a device that is no longer rank 0 ends its tenure there."""
+        if self.rank != 0:
+            self.training_log.end_tenure()
+            self.metrics.observe_training_owner(False)
+            return
+        if p.recovery is not None:
+            kind = "recovery"
+            detail = f"restored step {p.recovery.restore_step} from memory"
+        elif p.checkpoint:
+            kind, detail = "recovery", f"from checkpoint {p.checkpoint}"
+        elif old_layout is None:
+            kind, detail = "start", ""
+        else:
+            kind, detail = "switch", ""
+        self.training_log.switch(kind=kind, reason=p.reason or "unknown",
+                                 from_layout=old_layout.to_text() if old_layout else "",
+                                 to_layout=p.layout.to_text(), step=step, pause_seconds=pause,
+                                 generation=p.generation, detail=detail)
 
     def stop(self) -> None:
         """Ask the loop to end at the next step boundary. Safe in a signal handler: it takes

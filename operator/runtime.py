@@ -948,9 +948,12 @@ class JobRuntime:
               "generation": c.generation if c else 0,
               "layout": c.layout.to_text() if c and c.layout else "",
               "step": c.progress.step if c else 0,
+              "tokensPerSecond": round(c.progress.tokens_per_second, 3) if c else 0.0,
               "gpus": len(c.members) * self.job.gpus_per_worker if c else 0,
               "replacedWorkers": self.replaced,
               "workerUIDs": sorted(self.worker_uids)}
+        if c is not None and c.progress.loss is not None:
+            st["loss"] = round(c.progress.loss, 6)
         if self.last_switch:
             st["lastSwitch"] = self.last_switch
         if c is not None and c.layout is not None:
@@ -984,8 +987,11 @@ class JobRuntime:
         st = self.status()
         if st == self.published:
             return
+        # Progress alone (step, loss, tokens/s) is patched at most
+        # every status_every_s; anything else at once.
+        progress = {"step": 0, "loss": 0, "tokensPerSecond": 0}
         only_step = (self.published is not None and
-                     {**st, "step": 0} == {**self.published, "step": 0})
+                     {**st, **progress} == {**self.published, **progress})
         if (only_step and not force
                 and time.monotonic() - self.published_at < self.settings.status_every_s):
             return

@@ -17,7 +17,8 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynatrain.agent.metrics import PHASES, SWITCH_BUCKETS, JobMetricsSet, Metrics
+from dynatrain.agent.metrics import (PHASES, STEP_PHASES, SWITCH_BUCKETS, JobMetricsSet, Metrics,
+                                     TrainingSample)
 from dynatrain.vps.layout import Layout
 from prometheus_server import PrometheusServer, require_prometheus, sample_value
 from prometheus_server import prometheus  # noqa: F401  (a fixture)
@@ -155,6 +156,90 @@ def test_bad_input_is_rejected_and_nothing_recorded():
     assert not [s for s in samples(m) if s.name.startswith("dynatrain_switch")]
     with pytest.raises(ValueError, match="unknown key"):
         m.set_layout("dp=2,xp=3")
+
+
+TRAINING = {"dynatrain_loss", "dynatrain_learning_rate", "dynatrain_grad_norm", "dynatrain_mfu",
+            "dynatrain_training_step", "dynatrain_samples_total"}
+"""The job-wide training figures, exported by the job's rank 0 only."""
+
+
+def _sample(step: int) -> TrainingSample:
+    return TrainingSample(step=step, loss=8.0 / step, learning_rate=3e-4, grad_norm=1.5,
+                          samples=12 * step, mfu=0.4)
+
+
+def test_training_figures_come_from_rank_0_only_and_move_with_it():
+    phases = {"compute": 0.07, "communication": 0.02, "redundancy": 0.01}
+    rank0, rank1 = Metrics(**JOB), Metrics(**JOB)
+    rank0.observe_step(0.1, 1000.0, 3, phases=phases, training=_sample(3), owner=True)
+    rank1.observe_step(0.1, 1000.0, 3, phases=phases, training=_sample(3), owner=False)
+    names0 = {s.name for s in samples(rank0)}
+    assert TRAINING <= names0
+    assert not TRAINING & {s.name for s in samples(rank1)}      # never counted twice
+    assert value(rank0, "dynatrain_loss") == pytest.approx(8.0 / 3)
+    assert value(rank0, "dynatrain_training_step") == value(rank0, "dynatrain_step") == 3
+    assert value(rank0, "dynatrain_samples_total") == 36
+    assert value(rank0, "dynatrain_mfu") == pytest.approx(0.4)
+    for m in (rank0, rank1):               # each worker's own split, on every worker
+        for phase in STEP_PHASES:
+            assert value(m, "dynatrain_step_phase_seconds", phase=phase) == phases[phase]
+    # No GPU: no GPU-memory series; with one, both kinds.
+    assert "dynatrain_gpu_memory_bytes" not in names0
+    rank1.set_gpu_memory(10, 20)
+    assert value(rank1, "dynatrain_gpu_memory_bytes", kind="reserved") == 20
+    # A switch makes device 1 rank 0: the series leave device 0 at once, and device 1's
+    # samples total goes on from the same count.
+    rank0.observe_training_owner(False)
+    assert not TRAINING & {s.name for s in samples(rank0)}
+    rank1.observe_step(0.1, 1000.0, 4, training=_sample(4), owner=True)
+    assert value(rank1, "dynatrain_samples_total") == 48
+
+
+def test_checkpoint_age_is_computed_when_scraped():
+    import time
+
+    m = Metrics(**JOB)
+    m.observe_checkpoint(100, wall_time=time.time() - 30)
+    assert "dynatrain_checkpoint_age_seconds" not in {s.name for s in samples(m)}  # not rank 0
+    m.observe_step(0.1, 1000.0, 101, training=_sample(101), owner=True)
+    assert value(m, "dynatrain_checkpoint_step") == 100
+    assert 30 <= value(m, "dynatrain_checkpoint_age_seconds") < 60
+    m.observe_step(0.1, 1000.0, 102, training=_sample(102), owner=False)
+    assert "dynatrain_checkpoint_step" not in {s.name for s in samples(m)}
+
+
+def test_a_scrape_reads_one_steps_figures_together():
+    """Step and loss are replaced under one lock: a scrape racing the updates never pairs a
+    step with another step's loss."""
+    import threading
+
+    m = Metrics(**JOB)
+    done = threading.Event()
+
+    def train():
+        step = 1
+        while not done.is_set():
+            m.observe_step(0.001, 1.0, step, training=_sample(step), owner=True)
+            step += 1
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        for _ in range(200):
+            got = {s.name: s.value for s in samples(m)
+                   if s.name in ("dynatrain_step", "dynatrain_loss", "dynatrain_training_step")}
+            if "dynatrain_loss" in got:
+                assert got["dynatrain_step"] == got["dynatrain_training_step"]
+                assert got["dynatrain_loss"] == pytest.approx(8.0 / got["dynatrain_step"])
+    finally:
+        done.set()
+        t.join()
+
+
+def test_unknown_step_phase_is_refused():
+    m = Metrics(**JOB)
+    with pytest.raises(ValueError, match=r"step phases \['io'\] unknown"):
+        m.observe_step(0.1, 1.0, 1, phases={"io": 0.1})
 
 
 def test_each_metrics_object_has_its_own_registry():

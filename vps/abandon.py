@@ -72,10 +72,28 @@ def check() -> None:
         raise GenerationAbandoned(_reason)
 
 
+_waited = threading.local()
+
+
+def waited_seconds() -> float:
+    """Seconds the calling thread has spent in :func:`wait` since it started: the trainer
+    reads it before and after a step to split the step's time into compute and the time it
+    waited for its peers (communication not hidden behind compute)."""
+    return getattr(_waited, "seconds", 0.0)
+
+
 def wait(work, timeout: timedelta | None = None):
     """``work.wait()``, unless the generation is abandoned first. Errors of the work itself (a
     lost peer, the group's timeout or ``timeout``) are raised as the backend reports them;
     returns what ``work.wait`` returned."""
+    t0 = time.perf_counter()
+    try:
+        return _wait(work, timeout)
+    finally:
+        _waited.seconds = waited_seconds() + (time.perf_counter() - t0)
+
+
+def _wait(work, timeout: timedelta | None):
     check()
     try:
         future = work.get_future()

@@ -500,6 +500,8 @@ class JobController:
                     start, end = min(start, was[0]), max(end, was[1])
                 self.step_times[key] = (start, end)
             p.losses.setdefault(rec.step, rec.loss)
+            if rec.end_time:
+                p.timeline[rec.step] = (rec.end_time, rec.tokens_per_second)
             if rec.sample_end > rec.sample_begin:
                 p.reads.setdefault(rec.step, {})[device] = (rec.sample_begin, rec.sample_end)
             if rec.step >= p.step:

@@ -61,6 +61,13 @@ class DeviceProfile:
     shared_cores: int = 0
     """0 for accelerators. C > 0: the devices are worker processes sharing C CPU cores of one
     machine (see "Ranks that share CPU cores" in :mod:`dynatrain.controller.costmodel`)."""
+    peak_flops_per_second: float = 0.0
+    """The datasheet's dense peak in the training dtype, what model-FLOPs utilisation (MFU) is
+    measured against; 0 means ``flops_per_second`` (a profile with no datasheet: the CPU)."""
+
+    def peak_flops(self) -> float:
+        """Per device: :attr:`peak_flops_per_second`, else the sustained matmul rate."""
+        return self.peak_flops_per_second or self.flops_per_second
 
     # -- how a world of ``world`` ranks sees this profile ---------------------------------------
     def latency(self, group_size: int) -> float:
@@ -136,14 +143,16 @@ PROFILES: dict[str, DeviceProfile] = {
         name="h100", flops_per_second=650e12, memory_bytes=80 * 10**9,
         intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
         devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=3.0e12,
-        attention_flops_per_second=350e12, reserved_bytes=2 * GiB),
+        attention_flops_per_second=350e12, reserved_bytes=2 * GiB,
+        peak_flops_per_second=989e12),
     # A100 SXM4 80 GB (312 TFLOPS dense bf16, 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per
     # direction; DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s).
     "a100": DeviceProfile(
         name="a100", flops_per_second=205e12, memory_bytes=80 * 10**9,
         intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.8e12,
-        attention_flops_per_second=170e12, reserved_bytes=2 * GiB),
+        attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
+        peak_flops_per_second=312e12),
     # Worker processes on this machine (the local runner): a static guess per core of a
     # recent x86 server core with AVX-512, from the project's 2-core CI VM (~100 GFLOPS fp32
     # for 512^3 matmuls, ~30 GFLOPS for attention at head dim 32, ~13 GB/s through torch's
@@ -158,3 +167,13 @@ PROFILES: dict[str, DeviceProfile] = {
         elementwise_bytes_per_second=8e9, attention_flops_per_second=30e9, op_seconds=5e-6,
         reserved_bytes=300 << 20, shared_cores=cpu_cores()),
 }
+
+
+def profile_for_gpu_name(name: str) -> DeviceProfile | None:
+    """The preset of a GPU from its name as CUDA reports it (``torch.cuda.get_device_name``:
+    "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"), or None for a GPU with no preset."""
+    upper = name.upper()
+    for key in ("h100", "a100"):
+        if key.upper() in upper:
+            return PROFILES[key]
+    return None

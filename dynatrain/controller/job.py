@@ -145,7 +145,23 @@ class JobSpec:
     save_hf: str = ""
     """``spec.output.hf``: where the workers write a Hugging Face checkpoint of the trained
     model when the job completes; empty: none."""
+    tensorboard: str = ""
+    """``spec.output.tensorboard``: the directory the job's rank 0 writes TensorBoard event
+    files to; empty: ``<checkpoint path>/<job>/tensorboard`` when the job has a checkpoint
+    volume, else none (:meth:`tensorboard_dir`)."""
+    log_every: int = 10
+    """``spec.output.logEverySteps``: the job's rank 0 logs a step line every this many steps
+    (switches and recoveries always)."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tensorboard_dir(self, checkpoint_dir: str = "") -> str:
+        """Where the job's TensorBoard event files go: ``spec.output.tensorboard``, else the
+        job's folder on its checkpoint volume (``checkpoint_dir``, default the spec's), else
+        empty (none written)."""
+        if self.tensorboard:
+            return self.tensorboard
+        root = checkpoint_dir or self.recovery.checkpoint_dir
+        return str(Path(root) / self.name / "tensorboard") if root else ""
 
     def train_config(self, layout: Layout):
         """The trainer's config for this job under ``layout``."""
@@ -346,6 +362,9 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
 
     output = r.obj(spec, "output", "spec")
     save_hf = r.str(output, "hf", "spec.output") or "" if output else ""
+    tensorboard = r.str(output, "tensorboard", "spec.output") or "" if output else ""
+    log_every = (r.int(output, "logEverySteps", "spec.output", 10, minimum=1) or 10
+                 if output else 10)
 
     rec = r.obj(spec, "recovery", "spec")
     mirror = rec.get("mirror", True)
@@ -399,7 +418,8 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    issuer_ref=issuer_ref,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
-                   recovery=recovery, save_hf=save_hf)
+                   recovery=recovery, save_hf=save_hf, tensorboard=tensorboard,
+                   log_every=log_every)
 
 
 def _issuer_ref(r: _Reader, ref) -> dict | None:

@@ -85,21 +85,41 @@ class RunResult:
     """Every scenario event: its step, and the step at which it was taken in."""
     decisions: list = field(default_factory=list)
     """Every switch or recovery the controller started (:attr:`.core.JobController.decisions`)."""
+    started_at: float = 0.0
+    """Wall time (Unix seconds) at which the run started: the summary's times count from it."""
+    timeline: dict = field(default_factory=dict)
+    """step -> (wall time at its end, tokens per second) (:attr:`.progress.Progress.timeline`)."""
 
     def summary(self) -> dict:
         return {"job": self.job, "steps": self.steps, "final_loss": self.final_loss,
-                "switches": [s.summary() for s in self.switches],
+                "switches": [self._timed(s) for s in self.switches],
                 "losses": [self.losses[k] for k in sorted(self.losses)],
                 "samples_consumed": self.samples_consumed,
                 "samples_exactly_once": self.samples_exactly_once,
-                "recoveries": [s.summary() for s in self.recoveries],
+                "recoveries": [self._timed(s) for s in self.recoveries],
                 "failures": [{"device": d, "time": t} for d, t in self.failures],
                 "data_problems": self.data_problems,
                 "samples_inferred": self.samples_inferred,
                 "requests": [r.summary() for r in self.requests],
                 "events": self.events,
                 "decisions": self.decisions,
-                "wall_seconds": self.wall_seconds}
+                "wall_seconds": self.wall_seconds,
+                "step_log": self.step_log()}
+
+    def _timed(self, record) -> dict:
+        """A switch's summary with ``time``: seconds from the run's start to the switch."""
+        return {**record.summary(), "time": round(record.wall_time - self.started_at, 6)}
+
+    def step_log(self) -> list[dict]:
+        """Every step's loss, tokens per second and the time its end was reported (seconds
+        since the run started), in step order; a step trained again after a recovery shows
+        its latest training."""
+        out = []
+        for step in sorted(self.losses):
+            end, tps = self.timeline.get(step, (None, 0.0))
+            out.append({"step": step, "loss": self.losses[step], "tokens_per_second": tps,
+                        "time": None if end is None else round(end - self.started_at, 6)})
+        return out
 
 
 class LocalRunner:
@@ -117,6 +137,10 @@ class LocalRunner:
         self.save_hf = str(Path(target).resolve()) if target else ""
         self.run_dir, self.out = run_dir, out
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The job's TensorBoard events: spec.output.tensorboard (absolute, as save_hf), else
+        # the run dir's (a cluster's default, the checkpoint claim, has no local meaning).
+        self.tensorboard = str(Path(job.tensorboard).resolve() if job.tensorboard
+                               else (run_dir / "tensorboard").resolve())
         timeouts = timeouts or job.recovery.timeouts_config()      # spec.recovery.timeouts
         self.token_file = run_dir / "agent-token"
         self.token_file.write_text(secrets.token_urlsafe(32))
@@ -134,6 +158,7 @@ class LocalRunner:
         self.workers: dict[int, WorkerProcess] = {}
         self.next_device = 0
         self.t0 = time.monotonic()
+        self.started_at = time.time()
         # Locally the checkpoints live in the run directory, whatever spec.checkpoint.path says
         # (that is the claim's mount point in a worker pod): the workers' checkpoint root, in
         # which the job writes its own folder (<root>/<job>/step-N).
@@ -203,6 +228,7 @@ class LocalRunner:
                 cmd += ["--checkpoint-source", source]
             if self.save_hf:
                 cmd += ["--save-hf", self.save_hf]
+            cmd += ["--tensorboard", self.tensorboard]
             env = {**os.environ, **self.worker_env.get(d, {})}
             cmd += ["--backend", self.backend]
             if self.backend == "nccl" or (self.backend == "auto" and self.job.gpus_per_worker):
@@ -409,7 +435,8 @@ class LocalRunner:
         self._say(f"job {job.name}: {job.model.name}, {job.training.steps} steps, global batch "
                   f"{job.global_batch_size}, {initial} workers (elastic {job.min_workers}.."
                   f"{job.max_workers}); run dir {self.run_dir}")
-        self._say(f"metrics: controller http://127.0.0.1:{self.metrics_port}/metrics")
+        self._say(f"metrics: controller http://127.0.0.1:{self.metrics_port}/metrics; "
+                  f"TensorBoard: tensorboard --logdir {self.tensorboard}")
         self._prepare_data()
         self._spawn(initial)
         self.events = list(self.scenario.events)
@@ -472,7 +499,8 @@ class LocalRunner:
                          time.monotonic() - self.t0, recoveries=self.controller.recoveries,
                          failures=self.failures, data_problems=problems,
                          samples_inferred=inferred, requests=list(self.controller.requests),
-                         events=self.event_log, decisions=self.controller.decisions)
+                         events=self.event_log, decisions=self.controller.decisions,
+                         started_at=self.started_at, timeline=dict(p.timeline))
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -64,7 +64,7 @@ class SwitchRecord:
                 "bytes_local": self.bytes_local, "phases": self.phases,
                 "workers_before": self.workers_before,
                 "workers_after": self.workers_after, "result": self.result,
-                "attempts": self.attempts}
+                "attempts": self.attempts, "wall_time": self.wall_time}
 
 
 @dataclass

@@ -20,6 +20,9 @@ class Progress:
     loss: float | None = None
     tokens_per_second: float = 0.0
     losses: dict[int, float] = field(default_factory=dict)
+    timeline: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """step -> (wall time at its end, tokens per second): the latest report of each step (a
+    step trained again after a recovery replaces it), for pictures of the run."""
     reads: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
     """step -> {device: [begin, end)}: the samples each data reader reported reading for that
     step (a step trained again after a recovery replaces its reads)."""

@@ -247,3 +247,15 @@ def stage_costs(model: ModelSpec, layout: Layout) -> tuple[StageCost, ...]:
         by_shape[shape] = stage
         out.append(stage)
     return tuple(out)
+
+
+def training_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """FLOPs of one token's forward and backward pass through the whole model (backward = 2x
+    forward): the weight matmuls (2 per weight; a routed expert's share by top-k) and causal
+    attention at ``seq_len``, as :func:`stage_costs` counts them for one unsharded stage. The
+    numerator of model-FLOPs utilisation (MFU): recomputation and communication are not
+    counted, as in PaLM's definition."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    [stage] = stage_costs(model, Layout())
+    return 3.0 * (stage.matmul_flops + stage.attn_flops * seq_len)

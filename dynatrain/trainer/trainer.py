@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dynatrain.vps.abandon import wait
+from dynatrain.vps.abandon import wait, waited_seconds
 from dynatrain.vps.boxes import box_extents, box_numel
 from dynatrain.vps.layout import bind
 from dynatrain.vps.mapping import Piece, counts_once, flat_shard_range, rank_shards, tp_box
@@ -78,6 +78,13 @@ class StepResult:
     grad_norm: float = 0.0
     """Global L2 norm of the step's gradient before clipping (over the logical model, each
     element once); above ``TrainConfig.grad_clip`` (when set) means the step was clipped."""
+    lr: float = 0.0
+    """The learning rate this step's optimizer update used (the schedule's, at this step)."""
+    phases: dict = field(default_factory=dict)
+    """This rank's ``seconds`` split: ``communication`` (time spent waiting for collectives
+    and pipeline messages, i.e. communication not hidden behind compute), ``redundancy``
+    (waiting for the in-memory mirrors before the step's last all-reduce) and ``compute``
+    (the rest)."""
 
 
 class Trainer:
@@ -116,6 +123,8 @@ class Trainer:
         if state is not None:
             self._load_moments(local, state.step)
         self.step = state.step if state else 0
+        self.lr = 0.0
+        """The learning rate of the last optimizer step."""
         self.position = state.data_position if state else 0
         if state and state.rng.get("cpu") is not None:
             torch.set_rng_state(state.rng["cpu"])
@@ -210,6 +219,7 @@ class Trainer:
         final all-reduce: whatever it waits for has happened on every rank once any rank
         completes the step (the redundancy waits for its mirrors there)."""
         t0 = time.perf_counter()
+        waited0 = waited_seconds()
         if self.zero == 3:
             self._gather_zero3()
         for w in self.working.values():
@@ -265,15 +275,22 @@ class Trainer:
         report[1] = signal
         if norm is None:
             report[2] = square
+        mirror_seconds = mirror_waited = 0.0
         if before_report is not None:
+            r0, rw0 = time.perf_counter(), waited_seconds()
             before_report()
+            mirror_seconds = time.perf_counter() - r0
+            mirror_waited = waited_seconds() - rw0
         if g.world is not None:                               # every rank learns the loss
             wait(dist.all_reduce(report, group=g.world, async_op=True))
         loss = float(report[0]) / self.lay.dp
         grad_norm = float(norm) if norm is not None else float(report[2]) ** 0.5
         seconds = time.perf_counter() - t0
+        communication = waited_seconds() - waited0 - mirror_waited
+        phases = {"compute": max(0.0, seconds - communication - mirror_seconds),
+                  "communication": communication, "redundancy": mirror_seconds}
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,
-                          float(report[1]), samples, grad_norm)
+                          float(report[1]), samples, grad_norm, self.lr, phases)
 
     def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, schedule and step. Returns this rank's share of the squared gradient norm,
@@ -295,7 +312,8 @@ class Trainer:
             clip_by_norm([m.grad for m in self.masters.values()], norm, self.cfg.grad_clip)
         # The step count is part of the state every switch, recovery and checkpoint carries,
         # so the schedule resumes on the same curve under any layout.
-        set_lr(self.optimizer, self.cfg.lr_at(self.step))
+        self.lr = self.cfg.lr_at(self.step)
+        set_lr(self.optimizer, self.lr)
         with torch.no_grad():
             self.optimizer.step()
             if self.zero == 0 and not self.fp32:

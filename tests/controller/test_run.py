@@ -1,5 +1,10 @@
 """`dynatrain run` end to end: the quickstart with its scenario (shrink, grow, re-layout) on
-real worker processes, scraped by a real Prometheus, against the same job without switches."""
+real worker processes, scraped by a real Prometheus, against the same job without switches.
+
+What a person watching the run sees is checked against the run's own summary: the loss series
+Prometheus scraped from the workers, step for step; the TensorBoard events the job's rank 0
+wrote, read back by TensorBoard's own reader (every step's loss, one marker per switch); the
+step lines in the rank-0 worker's log."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prometheus_server import prometheus  # noqa: F401  (fixture)
+from prometheus_server import PrometheusServer, require_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -36,7 +41,15 @@ def _values(result) -> list[float]:
     return [float(r["value"][1]) for r in result]
 
 
-def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):  # noqa: F811
+@pytest.fixture
+def prometheus():
+    """A real Prometheus scraping every 0.2 s: faster than the quickstart's steps, so that
+    its loss series has (nearly) every step."""
+    with PrometheusServer(require_prometheus(), scrape_interval="200ms") as server:
+        yield server
+
+
+def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     sd = prometheus.workdir / "targets.json"
     started = time.time()
     elastic = _run(tmp_path, "elastic", "--scenario", str(SCENARIO), "--prometheus-sd", str(sd))
@@ -81,6 +94,13 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
         'max_over_time(up{role="worker"}[10m]) == 1')}
     assert len(workers_seen) >= 4
 
+    _check_loss_series(prometheus, elastic)
+    _check_tensorboard(tmp_path / "elastic" / "tensorboard", elastic)
+    _check_step_lines(tmp_path / "elastic", elastic)
+    times = [r["time"] for r in elastic["step_log"]]
+    assert [r["step"] for r in elastic["step_log"]] == list(range(1, steps + 1))
+    assert all(t is not None for t in times) and times == sorted(times), times
+
     # every Grafana panel of the Helm chart's dashboard shows data for this run
     from dynatrain.operator.chart import dashboard_queries
 
@@ -99,3 +119,69 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     assert len(steady["losses"]) == len(elastic["losses"]) == steps
     for step, (a, b) in enumerate(zip(elastic["losses"], steady["losses"]), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} with switches, {b} without"
+
+
+def _check_loss_series(prometheus, run) -> None:
+    """The loss series the workers exported (rank 0's, moving between pods at a switch), as
+    Prometheus stored it, equals the run's losses step for step: every scrape pairs a
+    ``dynatrain_training_step`` with its ``dynatrain_loss`` (one lock on the worker's side)."""
+    def raw(name) -> dict:
+        out = {}
+        for series in prometheus.query(f'{name}{{role="worker"}}[10m]'):
+            for at, v in series["values"]:
+                out[(series["metric"]["instance"], at)] = float(v)
+        return out
+
+    losses, steps = raw("dynatrain_loss"), raw("dynatrain_training_step")
+    assert losses and losses.keys() == steps.keys()
+    seen = {}
+    for key, loss in losses.items():
+        step = int(steps[key])
+        assert loss == run["losses"][step - 1], (step, loss, run["losses"][step - 1])
+        seen[step] = loss
+    # Scraped 5 times a second: the quickstart's steps take longer, bar a few around switches.
+    print(f"loss series: {len(seen)} of {run['steps']} steps scraped, every one equal")
+    assert len(seen) >= 0.75 * run["steps"], sorted(seen)
+    exporters = {key[0] for key in losses}
+    assert exporters, "no worker exported the loss"
+    # Never two workers at once: one rank 0 at a time.
+    at_once = {}
+    for instance, at in losses:
+        at_once.setdefault(round(at, 1), set()).add(instance)
+    assert max(len(v) for v in at_once.values()) == 1
+
+
+def _check_tensorboard(directory, run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    losses = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(losses) == list(range(1, run["steps"] + 1))
+    for step, loss in losses.items():          # TensorBoard keeps float32
+        assert loss == pytest.approx(run["losses"][step - 1], rel=1e-6), step
+    switches = [s for s in run["switches"] if s["from"]]
+    assert [e.step for e in acc.Scalars("events/pause_ms")] == [s["step"] for s in switches]
+    markers = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("events/text_summary")]
+    assert len(markers) == len(switches)
+    for marker, s in zip(markers, switches):
+        assert s["reason"] in marker and s["to"] in marker, (marker, s)
+
+
+def _check_step_lines(run_dir, run) -> None:
+    """The job's rank 0 logs a step line every 10 steps (loss to 6 places) and a line per
+    switch; exactly one worker says each."""
+    lines = [line for log in sorted(run_dir.glob("worker-*.log"))
+             for line in log.read_text().splitlines() if "rank 0): " in line]
+    said = {}
+    for line in lines:
+        text = line.split("rank 0): ", 1)[1]
+        if text.startswith("step "):
+            step = int(text.split()[1].split("/")[0])
+            assert step not in said, f"step {step} said twice"
+            said[step] = float(text.split("loss ")[1].split()[0])
+    assert sorted(said) == list(range(10, run["steps"] + 1, 10)), sorted(said)
+    for step, loss in said.items():
+        assert loss == pytest.approx(run["losses"][step - 1], abs=1e-6)
+    switch_lines = [line for line in lines if "): SWITCH " in line]
+    assert len(switch_lines) == len([s for s in run["switches"] if s["from"]]), switch_lines
