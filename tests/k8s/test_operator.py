@@ -10,6 +10,7 @@ switching layout live.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -34,7 +35,9 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
     custom = client.CustomObjectsApi(devcluster.api_client())
     # Whole-node workers (8 GPUs each) make capacity exact: one worker per GPU node.
     manifest = tmp_path / "job.yaml"
-    manifest.write_text(yaml.safe_dump(_job("elastic", gpus=8, max_workers=6)))
+    doc = _job("elastic", gpus=8, max_workers=6)
+    doc["spec"]["output"] = {"logEverySteps": 1}    # the rank-0 worker logs every step
+    manifest.write_text(yaml.safe_dump(doc))
     kubectl("apply", "-n", namespace, "-f", str(manifest))
 
     def running():
@@ -49,7 +52,7 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
     start_workers = st["workers"]
     assert start_workers == len(gpu_nodes) == 4, st
     table = kubectl("get", "dynatrainjobs", "-n", namespace).stdout
-    for column in ("PHASE", "LAYOUT", "WORKERS", "LAST SWITCH", "AGE"):
+    for column in ("PHASE", "LAYOUT", "WORKERS", "STEP", "LOSS", "LAST SWITCH", "AGE"):
         assert column in table
     assert "Running" in table and st["layout"] in table
 
@@ -101,9 +104,39 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
         assert verbs.get("POST", 0) >= 4 and verbs.get("PATCH", 0) >= 1, verbs
         assert m[("dynatrain_operator_reconcile_seconds_count",
                   (("job", "elastic"), ("namespace", namespace)))] > 10
+        _check_step_and_loss_columns(kubectl, pods, namespace, "elastic")
     finally:
         untaint(core, node, SPOT_INTERRUPTION_TAINT)
         kubectl("delete", "dynatrainjob", "elastic", "-n", namespace, "--wait=false")
+
+
+def _columns(table: str) -> dict[str, str]:
+    """The first row of a ``kubectl get`` table, by column header (values may hold spaces)."""
+    header, row = table.splitlines()[:2]
+    starts = [(m.start(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", header)]
+    return {name: row[start:(starts[i + 1][0] if i + 1 < len(starts) else None)].strip()
+            for i, (start, name) in enumerate(starts)}
+
+
+def _check_step_and_loss_columns(kubectl, pods, namespace, name) -> None:
+    """``kubectl get`` shows the job's step and loss, and they are what the job's rank-0
+    worker said for that step in its log (every step, with ``logEverySteps: 1``)."""
+    row = _columns(kubectl("get", "dynatrainjobs", name, "-n", namespace).stdout)
+    step, loss = int(row["STEP"]), float(row["LOSS"])
+    assert step > 0 and loss > 0, row
+
+    def said():
+        found = {}
+        for log in (pods.workdir / namespace).glob(f"{name}-worker-*/container.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if "rank 0): step " in line:
+                    text = line.split("rank 0): step ", 1)[1]
+                    found.setdefault(int(text.split("/")[0]), []).append(
+                        float(text.split("loss ")[1].split()[0]))
+        return found if step in found else None
+
+    lines = _wait(f"the rank-0 worker's line for step {step}", said, timeout=20)
+    assert lines[step] == [pytest.approx(loss, abs=1e-6)], (row, lines[step])
 
 
 def test_operator_restart_mid_switch(devcluster, kubectl, namespace, operator, tmp_path):
