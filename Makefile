@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml
 
 # The main job: a small elastic job on this machine. Four workers train gpt-tiny; one is
 # preempted with notice (the job shrinks live), one joins (it grows live), then a user fixes
-# the layout (a live re-layout). Each switch moves only the shards that change.
+# the layout (a live re-layout). Each switch moves only the shards that change. The picture of
+# the run (loss and tokens/s, each switch marked) goes to runs/demo/quickstart-run.png.
 demo: setup
-	$(BIN)/dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
+	$(BIN)/dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml --report runs/demo
 
 # Real workloads: a tiny random Llama and tokenizer made offline from the shipped corpus,
 # fine-tuned on it with a schedule, clipping and live switches, then exported in Hugging Face

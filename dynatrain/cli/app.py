@@ -12,14 +12,14 @@ import argparse
 import sys
 
 from dynatrain import __version__
-from dynatrain.cli import (bench, chart, dev, hf_config, models, operator_, plan, run, train,
-                           worker)
+from dynatrain.cli import (bench, chart, dev, hf_config, models, operator_, plan, report, run,
+                           train, worker)
 from dynatrain.cli import eval as eval_  # bound as eval_: `eval` would hide the builtin
 from dynatrain.cli import export_hf, tokenize_
 from dynatrain.cli.errors import USER_ERRORS, UsageError
 
-COMMANDS = (plan, models, train, eval_, run, worker, operator_, bench, dev, chart, hf_config,
-            tokenize_, export_hf)
+COMMANDS = (plan, models, train, eval_, run, report, worker, operator_, bench, dev, chart,
+            hf_config, tokenize_, export_hf)
 
 
 def build_parser() -> argparse.ArgumentParser:

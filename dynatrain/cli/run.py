@@ -13,11 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from dynatrain.cli.errors import UsageError
+from dynatrain.cli.report import check_out_dir
 
 EPILOG = """\
 examples:
   dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml
   dynatrain run examples/quickstart.yaml --summary-json summary.json
+  dynatrain run examples/quickstart.yaml --scenario examples/scenario.yaml --report runs/demo
 
 A scenario lists capacity changes by step (see examples/scenario.yaml):
   events:
@@ -44,6 +46,11 @@ def register(sub) -> None:
     p.add_argument("--scenario", metavar="FILE", help="capacity changes (YAML)")
     p.add_argument("--summary-json", metavar="FILE",
                    help="write switches, steps, losses and final loss as JSON")
+    p.add_argument("--report", metavar="DIR",
+                   help="after the run, draw its picture into DIR/<job>-run.png (DIR is made "
+                   "if missing): loss and tokens/s by step and wall time, each switch and "
+                   "recovery marked, the summary beside them; `dynatrain report` redraws it "
+                   "from a --summary-json file")
     p.add_argument("--run-dir", metavar="DIR",
                    help="worker logs and the agent token (default: a new temporary dir)")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -84,6 +91,8 @@ def register(sub) -> None:
 
 
 def run_job(args) -> int:
+    if args.report is not None:
+        check_out_dir(args.report, "--report")     # now, not after the whole job has trained
     from dynatrain.controller.calibrate import measure_cpu_profile
     from dynatrain.controller.core import JobFailed
     from dynatrain.controller.hardware import PROFILES
@@ -168,7 +177,16 @@ def run_job(args) -> int:
         else:
             print(f"  model: NOT written to {save_hf}: the rank-0 worker's log in {run_dir} "
                   "says why")
-    return 0 if result.samples_exactly_once and exported else 1
+    drawn = True
+    if args.report is not None:
+        from dynatrain.controller.report import write_report
+
+        try:
+            print(f"  report: {write_report(result.summary(), args.report)}")
+        except OSError as e:     # the run's numbers are printed above; the picture alone failed
+            print(f"  report: NOT written to {args.report}: {e}")
+            drawn = False
+    return 0 if result.samples_exactly_once and exported and drawn else 1
 
 
 def _backend(requested: str, job) -> str:
