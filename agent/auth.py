@@ -16,7 +16,9 @@ but the health probe must come from the controller. Two mechanisms, usable alone
   files are re-read when they change, so a rotated certificate reaches new connections without
   a restart; and the caller's certificate must also *name* the operator
   (:func:`client_name_problem`: its subject CN or a DNS SAN), since a certificate signed by
-  the client CA is not enough on its own if that CA ever signs anything else.
+  the client CA is not enough on its own if that CA ever signs anything else. The re-read
+  costs every new connection a wait for the GIL in a busy training process (see
+  :class:`ServerTlsDir`), so a client must not cut a connection attempt short.
 
 The standard health service (``/grpc.health.v1.Health/``) stays open without a token: kubelet
 probes and load balancers cannot send one, and it discloses nothing beyond "serving". (Over
@@ -334,6 +336,22 @@ class ServerTlsDir:
     last good configuration stays in force, a warning is logged once per change, and the
     next handshake tries again. Connections already open keep the certificate they were made
     with; a client that needs the new one opens a new connection.
+
+    **Cost under load.** The fetcher is Python and gRPC calls it, holding the GIL, before every
+    new connection's handshake (grpcio's ``_server_cert_config_fetcher_wrapper`` is ``with
+    gil``; the core calls it from ``add_handshakers``). In a training process busy in Python
+    a handshake therefore waits for the GIL, once to enter and once after each ``stat``
+    (which releases it): on 2 cores with four busy Python threads in the agent's process,
+    median 26 ms and worst 145 ms of 40, against 4 and 11 ms with static credentials; with
+    the cores also shared by other processes, tails near 1 s. It stays because gRPC Python has no
+    other way to change a listening server's certificate (no file-watcher certificate
+    provider; a port cannot be rebound without closing it, and a closed port reads as an
+    exited worker), and a rotation must reach the very next connection. What this asks of
+    clients: give a connection attempt seconds, not the 0.1 s that
+    ``grpc.min_reconnect_backoff_ms=100`` sets (gRPC uses that argument as the minimum
+    connect timeout, covering the TLS handshake; grpc/grpc#12830, #33423). Connections are
+    long-lived, so the cost is paid per client, not per call
+    (``tests/agent/test_tls_under_load.py``, issue #32).
     """
 
     def __init__(self, directory: str | os.PathLike):
