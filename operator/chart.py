@@ -5,7 +5,7 @@ lies in a chart's own ``crds/`` directory. ``crds/`` at the top of the repositor
 source: :func:`sync_crd` re-copies it and :func:`crd_in_sync` is what the tests check
 (``dynatrain chart check-crd`` on the command line). :func:`dashboard_queries` lists the Grafana
 dashboard's PromQL with the Grafana variables substituted, so that tests can hand every panel's
-query to a real Prometheus.
+query, and every annotation's (the switches marked on the graphs), to a real Prometheus.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ DEFAULT_VARIABLES = {"namespace": "default", "job": "quickstart", "gpus_per_work
 
 def dashboard_queries(rate_interval: str = "1m", *,
                       variables: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """``(panel title, PromQL)`` for every query of every panel of the Grafana dashboard.
+    """``(panel title, PromQL)`` for every query of every panel of the Grafana dashboard,
+    then ``(annotation name, PromQL)`` for every Prometheus annotation query (see
+    :func:`dashboard_exprs`).
 
     Grafana's ``$__rate_interval`` becomes ``rate_interval`` and the dashboard's variables
     their values in ``variables`` (default :data:`DEFAULT_VARIABLES`), so the result can be
@@ -78,12 +80,27 @@ def dashboard_queries(rate_interval: str = "1m", *,
         # Both Grafana spellings: $name and ${name}.
         return re.sub(r"\$\{(\w+)\}|\$(\w+)", repl, expr)
 
-    queries = []
+    return [(title, substitute(expr)) for title, expr in dashboard_exprs(dashboard)]
+
+
+def dashboard_exprs(dashboard: dict | None = None) -> list[tuple[str, str]]:
+    """``(title, PromQL as written, variables and all)`` of every panel query of the
+    dashboard (default: the chart's), in its order, then of every annotation that queries
+    Prometheus, under the annotation's name (Grafana's built-in annotation has no query). An
+    annotation's query may sit at its top level (``expr``, as the chart's do) or, as newer
+    Grafana editors save it, under ``target``."""
+    if dashboard is None:
+        dashboard = json.loads(DASHBOARD.read_text())
+    exprs = []
     for panel in _panels(dashboard["panels"]):
         for target in panel.get("targets", []):
             if target.get("expr"):
-                queries.append((panel["title"], substitute(target["expr"])))
-    return queries
+                exprs.append((panel["title"], target["expr"]))
+    for annotation in dashboard.get("annotations", {}).get("list", []):
+        expr = annotation.get("expr") or (annotation.get("target") or {}).get("expr")
+        if expr:
+            exprs.append((annotation["name"], expr))
+    return exprs
 
 
 def _panels(panels: list[dict]):

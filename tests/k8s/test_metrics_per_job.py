@@ -172,6 +172,14 @@ def _check_panels(prom, at, namespace, name, st, switches) -> None:
     pauses = [s["pauseSeconds"] for s in switches]
     layout = parse_layout(st["layout"])
     queries = dashboard_queries(RATE_INTERVAL, variables={"namespace": namespace, "job": name})
+    # The job-wide training figures (loss, learning rate, ...) come from the job's rank 0
+    # alone: a switch that gives rank 0 to the other pod leaves a moment (until the new one's
+    # first step after it is scraped) without them. Read this job's panels at an instant they
+    # are there: ``at`` itself, unless it fell in that moment.
+    [rank0] = [expr for title, expr in queries if title == "Loss"]
+    if not prom.query(rank0, at=at):
+        prom.wait_for(rank0, timeout=30)
+        at = prom.query("time()")[0]["value"][0]
     by_title: dict[str, list] = {}
     for title, expr in queries:
         result = prom.query(expr, at=at)
@@ -224,6 +232,25 @@ def _check_panels(prom, at, namespace, name, st, switches) -> None:
                                                     abs=1e-5)
 
     # Throughput and step time: the workers' own, finite and positive.
-    for title in ("Step time p50 / p95", "Tokens per second"):
+    for title in ("Step time p50 / p95", "Tokens per second", "Samples per second"):
         for result in by_title[title]:
             assert 0 < value(result) < math.inf, (title, result)
+    [split] = by_title["Step time split"]
+    phases = {s["metric"]["phase"]: float(s["value"][1]) for s in split}
+    assert phases.keys() == {"compute", "communication", "redundancy"}, phases
+    assert phases["compute"] > 0 and all(0 <= v < math.inf for v in phases.values()), phases
+
+    # The training figures, rank 0's, one line per job (each panel's query returned one
+    # series, checked by value()): a real loss, the job's learning rate (its spec has no
+    # schedule: constant), a modelled MFU that is a fraction (the panel shows it in percent).
+    assert 0 < value(by_title["Loss"][0]) < math.inf
+    assert 0 < value(by_title["Gradient norm"][0]) < math.inf
+    assert value(by_title["Learning rate"][0]) == pytest.approx(
+        _job(name)["spec"]["training"]["learningRate"], rel=1e-6)
+    assert 0 < value(by_title["MFU"][0]) <= 1
+
+    # The switches annotation: this job's, as many as it made, each with its reason.
+    marks = {(s["metric"]["reason"], s["metric"]["result"]): float(s["value"][1])
+             for s in by_title["Switches"][0]}
+    assert marks.keys() == {("requested", "success")}, marks
+    assert round(marks["requested", "success"]) == len(switches), marks
