@@ -172,8 +172,8 @@ def _run(args: argparse.Namespace) -> int:
             f"  {kubectl} get nodes\n"
             f"  kubectl apply -f crds/dynatrainjob.yaml\n"
             f"logs: {cluster.workdir / 'logs'}\n"
-            + (f"pods run here; their logs: {cluster.workdir / 'pods'}/NAMESPACE/POD/"
-               "container.log\n" if runner else
+            + (f"pods run here: kubectl logs / port-forward POD; their files: "
+               f"{cluster.workdir / 'pods'}/NAMESPACE/POD/container.log\n" if runner else
                "pods on simulated nodes are not run (see --run-pods)\n" if args.nodes
                else "") +
             "Ctrl-C stops the cluster.", flush=True)

@@ -19,7 +19,11 @@ collector; and the PersistentVolume binder. Its timings are shortened
 
 kwok plays the simulated nodes' kubelets: it keeps their leases (the heartbeat) and
 status and moves scheduled pods to Running. It runs no containers; the
-:mod:`.pods` runner does that part, as local processes. A node of
+:mod:`.pods` runner does that part, as local processes. kwok's server is also the
+nodes' kubelet endpoint (their InternalIP is 127.0.0.1, their kubelet port kwok's): the
+apiserver proxies ``kubectl logs`` and ``port-forward`` there, and kwok serves them from the
+rules the pod runner publishes (:mod:`.endpoints`, whose CRDs are installed before kwok
+starts); ``kubectl exec`` is refused by an admission policy that says why. A node of
 :attr:`ClusterConfig.real_nodes` is run by a real kubelet with containerd instead
 (:mod:`.kubelet`): its pods run in containers.
 """
@@ -45,6 +49,8 @@ from kubernetes import config as k8s_config
 from .build import ensure_built
 from .gobuild import Built
 from .certs import ClientIdentity, Pki, write_pki
+from .endpoints import KINDS as KWOK_CRD_KINDS
+from .endpoints import crd_manifests, exec_refusal_manifests
 from .errors import DevClusterError
 from .kubeconfig import build_kubeconfig, build_token_kubeconfig, write_kubeconfig
 from .kubelet import RealNode, RealNodeConfig
@@ -191,6 +197,8 @@ class DevCluster:
         self.nodes: list[str] = []
         self.real_nodes: list[RealNode] = []
         """The kubelet-run nodes, started."""
+        self.kubelet_port: int | None = None
+        """The simulated nodes' kubelet port: kwok's server, on 127.0.0.1."""
         self._api: client.ApiClient | None = None
 
     # -- lifecycle ---------------------------------------------------------
@@ -234,6 +242,9 @@ class DevCluster:
         admin = build_kubeconfig(server=self.server, ca=pki.ca.cert,
                                  client=pki.clients["admin"], user=_ADMIN.user)
         self._admin_kubeconfig = write_kubeconfig(work / "admin.kubeconfig", admin)
+        # Before kube-controller-manager: its garbage collector then watches kwok's rules
+        # from the start (it looks for new resource types only every 30 s).
+        self._install_pod_endpoints()
         self._start_controller_manager(binaries, work, logs, pki)
         self._start_scheduler(binaries, work, logs, pki)
         self._start_kwok(binaries, work, logs, pki)
@@ -383,7 +394,8 @@ class DevCluster:
             f"--tls-private-key-file={pki.apiserver.key}",
             f"--kubelet-client-certificate={pki.clients['apiserver-kubelet-client'].cert}",
             f"--kubelet-client-key={pki.clients['apiserver-kubelet-client'].key}",
-            # Node names do not resolve here; a real node's InternalIP is its bridge address.
+            # Node names do not resolve here; a real node's InternalIP is its bridge address,
+            # a simulated node's 127.0.0.1, where kwok's server is its kubelet (.endpoints).
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             f"--client-ca-file={pki.ca.cert}",
             f"--service-account-key-file={pki.service_account_pub}",
@@ -488,6 +500,28 @@ class DevCluster:
         wait_until(f"{component.name} at {url}", healthy, timeout=self.config.start_timeout,
                    component=component)
 
+    def _install_pod_endpoints(self) -> None:
+        """What kwok's server needs before kwok starts (it lists them at once): the CRDs of the
+        rules it serves pods' logs and port-forwards from; and, where every node is simulated,
+        the policy that refuses ``kubectl exec`` saying why (:mod:`.endpoints`)."""
+        api = self.api_client()
+        extensions = client.ApiextensionsV1Api(api)
+        names = [extensions.create_custom_resource_definition(crd).metadata.name
+                 for crd in crd_manifests()]
+
+        def established() -> bool:
+            return all(any(c.type == "Established" and c.status == "True"
+                           for c in extensions.read_custom_resource_definition(n).status
+                           .conditions or []) for n in names)
+
+        wait_until(f"CRDs {names} to be established", established,
+                   timeout=self.config.start_timeout)
+        if not self.config.real_nodes:
+            policy, binding = exec_refusal_manifests()
+            admission = client.AdmissionregistrationV1Api(api)
+            admission.create_validating_admission_policy(policy)
+            admission.create_validating_admission_policy_binding(binding)
+
     def _start_kwok(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
         kubeconfig = self._write_component_kubeconfig(pki, _KWOK)
         port = free_port()
@@ -498,11 +532,20 @@ class DevCluster:
             f"--config={STAGES_FILE}",
             f"--manage-nodes-with-annotation-selector={key}={value}",
             f"--cidr={self.config.pod_cidr}",
-            "--node-ip=10.255.0.1",
+            # The nodes' InternalIP, where the apiserver calls their kubelet: kwok's server.
+            "--node-ip=127.0.0.1",
             # The heartbeat the node lifecycle controller watches (kube-node-lease).
             f"--node-lease-duration-seconds={self.config.node_timings.lease_s}",
             f"--server-address=127.0.0.1:{port}",
+            # The port the nodes report as their kubelet's (kwok-stages.yaml, NodePort); the
+            # server listens on --server-address, which wins over --node-port for that.
+            f"--node-port={port}",
+            # Rules read from the apiserver, published per pod by the pod runner. kwok serves
+            # HTTPS with a certificate of its own; the apiserver, given no
+            # --kubelet-certificate-authority, does not check kubelets' serving certificates.
+            f"--enable-crds={','.join(KWOK_CRD_KINDS)}",
         ], logs)
+        self.kubelet_port = port
 
         def healthy() -> bool:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:

@@ -22,12 +22,18 @@ command as a process on this machine, the way a kubelet would:
   10 s, doubling, at most 5 minutes, shown as ``CrashLoopBackOff``);
 - a pod being deleted gets SIGTERM, and SIGKILL when its grace period ends; once its process
   has exited the pod is removed (grace 0), as a kubelet confirms a deletion; a pod that is
-  gone, or whose node stopped heart-beating or was deleted, is killed (the machine is gone).
+  gone, or whose node stopped heart-beating or was deleted, is killed (the machine is gone);
+- the node's kubelet endpoints (:mod:`.endpoints`): for each pod it runs, the runner publishes
+  kwok's ``Logs`` and ``PortForward`` rules, so that ``kubectl logs`` (``-f``, ``--tail``,
+  ``--previous``...) and ``kubectl port-forward`` reach the process through the apiserver and
+  kwok's server, as they reach a kubelet.
 
 The image is not pulled: ``dynatrain`` as the command means this checkout's console script
 (``python -m dynatrain``); any other command runs as it is. The dev cluster hands out pod IPs
 from 127.0.0.0/8, so a process binds its pod IP on loopback and others reach it there, as on a
-cluster network. Logs are in ``<workdir>/<namespace>/<pod>/container.log``.
+cluster network. Logs are in ``<workdir>/<namespace>/<pod>/container.log`` (every run of the
+pod's container, each restart marked), and, in the CRI format kwok's server reads, in
+``<workdir>/<namespace>/<pod>/kubelet/current.log`` and ``previous.log``.
 
 The simulated GPU nodes have no CUDA, and a worker of a GPU job asks for NCCL on a GPU
 (``--backend auto``): it stops at start, as on a real node without CUDA. Only with
@@ -53,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from . import endpoints
 from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
 from .processes import _die_with_parent
 
@@ -106,6 +113,13 @@ class _Container:
     """Exited for good: the pod's phase is Succeeded or Failed."""
     projections: list = field(default_factory=list)
     """(local dir, "secret" or "configmap", name, items, mode) of each such volume: re-synced."""
+    uid: str = ""
+    pod_ip: str = ""
+    ports: list[int] = field(default_factory=list)
+    """The container's declared ports: what ``kubectl port-forward`` may reach."""
+    output: endpoints.ContainerOutput | None = None
+    published: bool = False
+    """kwok's Logs and PortForward rules for the pod exist."""
 
 
 class PodRunner:
@@ -138,6 +152,7 @@ class PodRunner:
         self.errors: list[str] = []
         """API errors met while syncing (retried on the next round)."""
         self._coordination = None
+        self._custom = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
 
@@ -163,6 +178,9 @@ class PodRunner:
         for c in self.containers.values():
             if c.proc is not None:
                 c.proc.wait(10)
+        for c in self.containers.values():
+            if c.output is not None:   # the last lines into the logs (a child may hold on)
+                c.output.join(2)
 
     def _loop(self) -> None:
         from kubernetes.client.rest import ApiException
@@ -184,6 +202,12 @@ class PodRunner:
 
     def log(self, namespace: str, pod: str) -> str:
         """What the pod's container printed so far ('' if it never ran)."""
+        for c in list(self.containers.values()):
+            if ((c.namespace, c.name) == (namespace, pod) and c.output is not None
+                    and c.proc is not None and c.proc.poll() is not None):
+                # Exited: its last output is read from the pipes into the file first, as it
+                # was there at once when the process wrote the file itself.
+                c.output.join(1)
         path = self.workdir / namespace / pod / "container.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
@@ -204,6 +228,8 @@ class PodRunner:
         now = time.monotonic()
         for uid, c in self.containers.items():
             self._tend(c, by_uid.get(uid), c.node in alive, now)
+            if not c.published and not c.done and uid in by_uid:
+                self._publish(c)
         if now - self._synced_volumes >= self.volume_sync_s:
             self._synced_volumes = now
             for c in self.containers.values():
@@ -216,6 +242,7 @@ class PodRunner:
                 c = self._prepare(pod)
                 self.containers[uid] = c
                 self._run(c)
+                self._publish(c)
 
     def _live_nodes(self) -> set[str]:
         """Simulated nodes that exist and still heart-beat (their kubelet, so their processes,
@@ -275,6 +302,27 @@ class PodRunner:
             self._say(f"[pods] {c.namespace}/{c.name} exited with code {code}: {phase}")
             self._report(c, exited=code, phase=phase)
 
+    def _publish(self, c: _Container) -> None:
+        """kwok's rules for the pod (:mod:`.endpoints`): its logs and its declared ports, now
+        that its log file exists. An API error is kept and retried on the next round."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        if self._custom is None:
+            self._custom = client.CustomObjectsApi(self.core.api_client)
+        try:
+            endpoints.publish(self._custom, endpoints.logs_rule(
+                c.namespace, c.name, c.uid, c.container, c.output.cri_dir))
+            endpoints.publish(self._custom, endpoints.port_forward_rule(
+                c.namespace, c.name, c.uid, c.pod_ip, c.ports))
+            c.published = True
+        except ApiException as e:
+            hint = (f" (are kwok's {'/'.join(endpoints.KINDS)} CRDs of {endpoints.GROUP} "
+                    "installed? a DevCluster installs them)" if e.status == 404 else "")
+            self.errors.append(f"publishing the kubelet endpoints of {c.namespace}/{c.name}: "
+                               f"{e.status} {e.reason}{hint}")
+            del self.errors[:-50]
+
     def _remove(self, c: _Container, uid: str) -> None:
         """A deleted pod whose process has exited is removed at once (grace 0), as a kubelet
         does once its containers stop; kwok would keep it until its grace period ends."""
@@ -323,20 +371,27 @@ class PodRunner:
     # -- starting a container ---------------------------------------------------------------------
     def _run(self, c: _Container) -> None:
         c.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(c.log, "a") as f:
-            if c.restarts:
+        if c.output is None:
+            c.output = endpoints.ContainerOutput(c.log, c.log.parent / endpoints.CRI_DIR)
+        if c.restarts:
+            with open(c.log, "a") as f:
                 f.write(f"--- restart {c.restarts} ---\n")
-                f.flush()
-            try:
-                # Killed with the runner's thread (a test session killed outright must not
-                # leave workers training on, as a dead kubelet's machine leaves none).
-                c.proc = subprocess.Popen(c.argv, stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**os.environ, **c.env},
-                                          start_new_session=True,
-                                          preexec_fn=_die_with_parent)
-            except OSError as e:                      # no such program: as a kubelet, fail
-                f.write(f"cannot start {c.argv[:1]}: {e}\n")
-                c.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(127)"])
+            c.output.rotate()     # for `kubectl logs --previous`
+        else:
+            c.output.reset()
+        try:
+            # Killed with the runner's thread (a test session killed outright must not
+            # leave workers training on, as a dead kubelet's machine leaves none).
+            # stdout and stderr are pipes, read as a container runtime reads them: into the
+            # plain log and the CRI-format one that kwok serves to `kubectl logs`.
+            c.proc = subprocess.Popen(c.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.DEVNULL, env={**os.environ, **c.env},
+                                      start_new_session=True,
+                                      preexec_fn=_die_with_parent)
+            c.output.start(c.proc.stdout, c.proc.stderr)
+        except OSError as e:                          # no such program: as a kubelet, fail
+            c.output.note(f"cannot start {c.argv[:1]}: {e}\n")
+            c.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(127)"])
         c.started_at = _now()
         if c.restarts:
             self._report(c)
@@ -368,7 +423,9 @@ class PodRunner:
             argv = [*argv, "--backend", "gloo"]       # the last --backend wins
         return _Container(ns, name, pod.spec.node_name, argv, env, root / "container.log",
                           pod.spec.restart_policy or "Always", container.name,
-                          projections=projections)
+                          projections=projections, uid=pod.metadata.uid,
+                          pod_ip=pod.status.pod_ip if pod.status else "",
+                          ports=[p.container_port for p in container.ports or []])
 
     def _resync(self, c: _Container) -> None:
         """Rewrite the pod's Secret and ConfigMap volumes whose data changed (one that is gone

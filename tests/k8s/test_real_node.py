@@ -4,7 +4,9 @@ The other k8s tests use kwok's simulated nodes, whose pods the pod runner starts
 processes. Here one node is the real thing (:mod:`dynatrain.devcluster.kubelet`): the kubelet
 built from the pinned Kubernetes module registers it, containerd and runc run its pods from the
 images built with debootstrap (:mod:`dynatrain.devcluster.images`), each with its own network
-namespace on the node's bridge and its own cgroup. The operator test runs a whole job there:
+namespace on the node's bridge and its own cgroup. `kubectl logs` (``--previous``, ``-f``),
+`exec` and `port-forward` reach its pods through the kubelet, with the checks the simulated
+nodes' endpoints pass (pod_endpoints.py). The operator test runs a whole job there:
 `kubectl apply`, workers in containers, a pod deleted as `kubectl delete pod` does (SIGTERM from
 the kubelet), the recovery, and the job's deletion through the garbage collector.
 """
@@ -116,6 +118,27 @@ def test_a_pod_runs_in_a_container_with_its_volumes_limits_and_exit_code(real_cl
     assert "uid: 10001 pod: probe" in log
     assert "hostname: probe" in log
     assert f"memory limit: {256 * 2**20}" in log
+
+
+def test_kubectl_logs_previous_exec_and_port_forward_reach_a_container(real_cluster,
+                                                                      real_namespace):
+    """The checks the simulated nodes' kubelet endpoint (kwok's server) passes
+    (test_pod_endpoints.py), against the kubelet, where `kubectl exec` runs in the container."""
+    import datetime
+
+    from dynatrain.devcluster.build import ensure_built
+    from pod_endpoints import check_pod_endpoints, endpoint_pod
+
+    core = real_cluster.core()
+    core.create_namespaced_pod(real_namespace, endpoint_pod(
+        "talker", "python", node_selector={"kubernetes.io/hostname": NODE},
+        image=real_cluster.real_nodes[0].images["worker"],
+        # containerd forwards to localhost in the pod's network namespace.
+        metrics_host="0.0.0.0"))
+    kubectl = [str(ensure_built().path("kubectl")), "--kubeconfig", str(real_cluster.kubeconfig)]
+    # The kubelet's first restart back-off is 10 s.
+    check_pod_endpoints(kubectl, core, real_namespace, "talker", exec_refusal=None,
+                        timeout=datetime.timedelta(seconds=120))
 
 
 def _job(name: str, image: str) -> dict:
