@@ -25,10 +25,15 @@ from .v1 import agent_pb2, agent_pb2_grpc
 _DEFAULT_COMMIT_TIMEOUT_S = 120.0
 
 # Reconnect quickly to an agent that is starting or restarting (gRPC's default backoff grows to
-# two minutes, far longer than a pod takes to come up).
+# two minutes, far longer than a pod takes to come up). Not grpc.min_reconnect_backoff_ms: gRPC
+# uses it as the minimum *connect timeout* (a connection attempt, TCP connect and TLS handshake,
+# gets max(backoff, it); grpc/grpc#12830, #33423), and 0.1 s cut short the handshakes of agents
+# busy in Python, whose certificate fetcher waits for the GIL: the call failed at once with
+# UNAVAILABLE "Handshake read failed (Endpoint closing)" and the controller took a healthy
+# worker for an exited one (issue #32; tests/agent/test_tls_under_load.py). Left at gRPC's
+# 20 s, a slow handshake is bounded by the call's own deadline instead.
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 

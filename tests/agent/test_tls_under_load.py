@@ -48,13 +48,7 @@ from test_agent_security import TOKEN, GateControl, client_tls, pki, write_tls_d
 STATUS_S = 2.0
 SLOW_HANDSHAKE_S = 0.5
 
-# The fix is in agent/client.py (its _CHANNEL_OPTIONS must not set grpc.min_reconnect_backoff_ms,
-# gRPC's minimum connect timeout, to 0.1 s); these markers go with that change.
-_CLIENT_FIX = ("agent/client.py bounds a connection attempt (TCP + TLS handshake) by 0.1 s "
-               "through grpc.min_reconnect_backoff_ms=100")
 
-
-@pytest.mark.xfail(strict=True, reason=_CLIENT_FIX)
 def test_a_slow_handshake_is_not_cut_short(pki, tmp_path, monkeypatch):
     """A handshake of 0.5 s (5 times the old 0.1 s bound, a quarter of the Status deadline)
     completes, and the operator's first Status on a fresh client is answered."""
@@ -123,7 +117,6 @@ _AGENT = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=False, reason=_CLIENT_FIX + " (fails a few percent of connections)")
 def test_fresh_connections_to_a_busy_agent_are_not_refused(pki, tmp_path):
     """Fresh operator clients against an agent whose process is busy in Python: no Status
     fails with UNAVAILABLE (a slow one may at worst miss its deadline, which the watchdog
