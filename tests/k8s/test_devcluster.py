@@ -170,7 +170,8 @@ def test_crd_status_scale_and_printer_columns(devcluster, crd, namespace):
     custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, "gpt",
         {"status": {"phase": "Running", "layout": "dp2-tp8", "workers": 2,
-                    "selector": "dynatrain.io/job=gpt"}},
+                    "selector": "dynatrain.io/job=gpt", "step": 120, "loss": 3.25,
+                    "tokensPerSecond": 1234.5}},
         _content_type="application/merge-patch+json")
 
     # The scale subresource drives spec.elastic.workers.
@@ -187,8 +188,9 @@ def test_crd_status_scale_and_printer_columns(devcluster, crd, namespace):
         [str(kubectl), "--kubeconfig", str(devcluster.kubeconfig), "-n", namespace,
          "get", "dtj", "gpt"], capture_output=True, text=True, timeout=60, check=True)
     header, row = out.stdout.splitlines()
-    assert header.split() == ["NAME", "PHASE", "LAYOUT", "WORKERS", "LAST", "SWITCH", "AGE"]
-    assert row.split()[:4] == ["gpt", "Running", "dp2-tp8", "2"]
+    assert header.split() == ["NAME", "PHASE", "LAYOUT", "WORKERS", "STEP", "LOSS", "LAST",
+                              "SWITCH", "AGE"]
+    assert row.split()[:6] == ["gpt", "Running", "dp2-tp8", "2", "120", "3.25"]
 
 
 # -- scheduling onto simulated GPU nodes -------------------------------------------
