@@ -55,6 +55,8 @@ def test_examples_load():
     (("spec", "model"), {"hf": "/m", "hfConfig": {"architectures": ["GPT2LMHeadModel"]}},
      "spec.model.hfConfig"),
     (("spec", "output", "hf"), "", "spec.output.hf"),
+    (("spec", "output", "tensorboard"), "", "spec.output.tensorboard"),
+    (("spec", "output", "logEverySteps"), 0, "spec.output.logEverySteps"),
     (("kind",), "Job", "kind"),
 ])
 def test_bad_manifest_names_field(path, value, field):

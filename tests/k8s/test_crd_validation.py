@@ -226,6 +226,10 @@ INVALID = [
     Case("lr-decay-unknown", setting("spec.training.lrSchedule", {"decay": "step"}),
          "spec.training.lrSchedule.decay", True),
     Case("output-hf-empty", setting("spec.output", {"hf": ""}), "spec.output.hf", True),
+    Case("output-tensorboard-empty", setting("spec.output", {"tensorboard": ""}),
+         "spec.output.tensorboard", True),
+    Case("output-log-every-zero", setting("spec.output", {"logEverySteps": 0}),
+         "spec.output.logEverySteps", True),
 ]
 
 # A Hugging Face model as a cluster job names it: the directory on the workers' volume, and
@@ -688,7 +692,7 @@ def test_kubectl_columns_show_status(custom, namespace, kubectl):
     _create(custom, namespace, base_job("gpt"))
     out = kubectl("get", "dynatrainjobs", "-n", namespace).stdout
     assert re.split(r"\s{2,}", out.splitlines()[0].strip()) == [
-        "NAME", "PHASE", "LAYOUT", "WORKERS", "LAST SWITCH", "AGE"]
+        "NAME", "PHASE", "LAYOUT", "WORKERS", "STEP", "LOSS", "LAST SWITCH", "AGE"]
     (row,) = _table(out)
     assert row["NAME"] == "gpt" and row["PHASE"] == row["LAYOUT"] == row["LAST SWITCH"] == ""
 
@@ -696,7 +700,7 @@ def test_kubectl_columns_show_status(custom, namespace, kubectl):
     status = {
         "phase": "Running", "layout": "dp=4,tp=1,pp=1", "workers": 4, "gpus": 4,
         "selector": "dynatrain.io/job=gpt", "generation": 3, "step": 1200,
-        "observedGeneration": 1,
+        "loss": 3.412057, "tokensPerSecond": 45210.5, "observedGeneration": 1,
         "lastSwitch": {"from": "dp=2,tp=1,pp=1", "to": "dp=4,tp=1,pp=1", "reason": "scale-up",
                        "result": "success", "pauseSeconds": 0.41, "bytes": 2_800_000_000,
                        "step": 1100, "time": "2026-01-02T03:04:05Z",
@@ -710,12 +714,13 @@ def test_kubectl_columns_show_status(custom, namespace, kubectl):
     stored = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "gpt")
     assert stored["status"]["lastSwitch"] == status["lastSwitch"]
     (row,) = _table(kubectl("get", "dynatrainjobs", "-n", namespace).stdout)
-    assert {k: row[k] for k in ("NAME", "PHASE", "LAYOUT", "WORKERS", "LAST SWITCH")} == {
+    assert {k: row[k] for k in ("NAME", "PHASE", "LAYOUT", "WORKERS", "STEP", "LOSS",
+                                "LAST SWITCH")} == {
         "NAME": "gpt", "PHASE": "Running", "LAYOUT": "dp=4,tp=1,pp=1", "WORKERS": "4",
-        "LAST SWITCH": "scale-up 0.41s"}
+        "STEP": "1200", "LOSS": "3.412057", "LAST SWITCH": "scale-up 0.41s"}
     assert row["AGE"]
     (wide,) = _table(kubectl("get", "dtj", "gpt", "-n", namespace, "-o", "wide").stdout)
-    assert (wide["GENERATION"], wide["PAUSE"]) == ("3", "0.41")
+    assert (wide["GENERATION"], wide["TOKENS/S"], wide["PAUSE"]) == ("3", "45210.5", "0.41")
     assert wide["SWITCHED"]  # a relative age, e.g. "300d"
 
     with pytest.raises(ApiException) as err:
@@ -724,6 +729,12 @@ def test_kubectl_columns_show_status(custom, namespace, kubectl):
             _content_type="application/merge-patch+json")
     _, fields = _invalid(err.value)
     assert "status.phase" in fields
+    with pytest.raises(ApiException) as err:
+        custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, "gpt", {"status": {"tokensPerSecond": -1}},
+            _content_type="application/merge-patch+json")
+    _, fields = _invalid(err.value)
+    assert "status.tokensPerSecond" in fields
 
 
 def test_kubectl_scale_sets_desired_workers(custom, namespace, kubectl):
