@@ -88,11 +88,20 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def make_optimizer(masters: dict[str, torch.Tensor], specs: dict, cfg) -> torch.optim.AdamW:
     decay = [m for n, m in masters.items() if len(specs[n].shape) >= 2]
     no_decay = [m for n, m in masters.items() if len(specs[n].shape) < 2]
-    # foreach=False: the per-tensor kernel, so the single-process reference uses the same math.
+    # foreach=True: one call per elementwise op for all tensors. It runs the same per-tensor
+    # kernels as foreach=False, so every element comes out bit for bit as in the per-tensor
+    # loop (the single-process reference's), whatever slice of a tensor a layout holds:
+    # measured on 5 steps of random gradients over whole tensors and ZeRO-like flat ranges at
+    # odd offsets, 0 mismatching elements. ~27% less optimizer time on gpt-tiny (9.3 vs 12.8 ms
+    # on one thread), ~3% on gpt-125m (656 vs 674 ms). fused=True would be 4.5x faster on
+    # gpt-125m (149 ms) but is not used: its vectorised body and scalar tail round differently
+    # (up to 64 ulp from the per-tensor result on ~0.6% of elements, and 1 element in 10,007
+    # differs between a tensor and the same elements as a slice at another offset), so
+    # layouts would no longer be bit-exact against each other.
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
 
 
 def gather_flat_shards(working: dict[str, torch.Tensor], masters: dict[str, torch.Tensor],
