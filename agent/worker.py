@@ -86,6 +86,10 @@ def main(argv=None) -> int:
     parser.add_argument("--job", required=True, help="the DynaTrainJob manifest (YAML)")
     parser.add_argument("--device", type=int, required=True, help="this worker's device id")
     parser.add_argument("--host", default="127.0.0.1", help="address the agent binds")
+    parser.add_argument("--metrics-host", default="", metavar="ADDR",
+                        help="address the Prometheus endpoint binds (default: --host); in a "
+                             "pod 0.0.0.0, so that `kubectl port-forward`, which connects to "
+                             "the pod's loopback, reaches it too")
     parser.add_argument("--agent-port", type=int, default=0, help="gRPC port (0: any free)")
     parser.add_argument("--metrics-port", type=int, default=0, help="metrics port (0: any)")
     parser.add_argument("--token-file", help="file holding the callers' bearer token")
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
         print(f"device {args.device}: training on the CPU (gloo) as --backend gloo asks, "
               f"though the job asks for spec.resources.gpus: {job.gpus_per_worker}", flush=True)
     metrics = Metrics(namespace=job.namespace, job=job.name, reasons=REASONS)
-    _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.host)
+    _, metrics_port = metrics.serve(port=args.metrics_port, addr=args.metrics_host or args.host)
     worker = Worker(job, args.device, backend=backend, torch_device=device, metrics=metrics,
                     checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf,
                     checkpoint_sources=args.checkpoint_source,

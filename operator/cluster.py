@@ -353,7 +353,10 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
     limits = dict(requests)
     if res.get("gpus"):
         limits[GPU] = requests[GPU] = str(res["gpus"])
+    # Metrics on every address of the pod: the kubelet's port-forward connects to the pod's
+    # loopback, and the metrics are no secret (the agent stays on the pod IP, behind mTLS).
     args = ["--job", JOB_FILE, "--device", str(device), "--host", "$(POD_IP)",
+            "--metrics-host", "0.0.0.0",
             "--agent-port", str(agent_port), "--metrics-port", str(METRICS_PORT),
             "--token-file", TOKEN_FILE,
             # Mutual TLS on the agent port (the token stays a second factor); the kubelet's

@@ -7,6 +7,8 @@ command as a process on this machine, the way a kubelet would:
 - ``command`` + ``args`` with ``$(VAR)`` references expanded from the container's environment:
   ``value``, the downward API (``metadata.name``/``namespace``/``uid``, ``spec.nodeName``,
   ``status.podIP``/``hostIP``), ``configMapKeyRef``, ``secretKeyRef`` and ``envFrom``;
+- the wildcard address ``0.0.0.0`` as a whole argument (what a pod binds to listen on all its
+  addresses) becomes the pod's IP (a process has no network namespace of its own);
 - volumes as directories: ConfigMap and Secret volumes written per pod (as the kubelet's
   atomic writer does: files behind a ``..data`` symlink swapped in one step) and re-synced
   every ``volume_sync_s`` while the pod runs, as a real kubelet updates a mounted Secret or
@@ -62,6 +64,11 @@ from typing import TYPE_CHECKING, Callable
 from . import endpoints
 from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
 from .processes import _die_with_parent
+
+WILDCARD = "0.0.0.0"
+"""An address to bind in a pod's command or arguments that the runner replaces by the pod's IP:
+in a pod it means every address of the pod's own network namespace; a process here shares the
+machine's, where it would collide with every other pod's port."""
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -405,8 +412,12 @@ class PodRunner:
         projections: list = []
         mounts = self._volumes(pod, container, root, projections)
 
+        pod_ip = pod.status.pod_ip if pod.status else ""
+
         def expand(text: str) -> str:
             text = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+            if text == WILDCARD and pod_ip:
+                return pod_ip
             for mount_path, local in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
                 if text == mount_path or text.startswith(mount_path + "/"):
                     return str(local) + text[len(mount_path):]

@@ -47,13 +47,14 @@ _LINE = re.compile(r"^second run: line (\d+)$")
 
 
 def endpoint_pod(name: str, python: str, *, node_selector: dict[str, str],
-                 image: str = "unused", metrics_host: str = "") -> dict:
+                 image: str = "unused") -> dict:
     """The pod described above; ``python`` is the interpreter's path where it runs.
 
-    ``metrics_host``: the address the metrics listen on; by default the pod IP, as a worker
-    does. A real node's runtime (containerd) forwards a port to ``localhost`` inside the
-    pod's network namespace, so there the pod must listen on all addresses ("0.0.0.0"); on a
-    simulated node every pod shares the machine's loopback, and kwok forwards to the pod IP."""
+    Its metrics listen on every address of the pod ("0.0.0.0"), as a worker's do
+    (``--metrics-host 0.0.0.0``): a real node's runtime (containerd) forwards a port to
+    ``localhost`` inside the pod's network namespace. On a simulated node every pod shares the
+    machine's network, and the pod runner binds the pod's IP for the wildcard, which kwok
+    forwards to: one pod spec for both kinds of node."""
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
         "restartPolicy": "OnFailure", "nodeSelector": node_selector,
@@ -64,7 +65,7 @@ def endpoint_pod(name: str, python: str, *, node_selector: dict[str, str],
                     {"name": "POD_NAMESPACE", **field("metadata.namespace")},
                     {"name": "SCRATCH", "value": "/scratch"},
                     {"name": "METRICS_PORT", "value": str(METRICS_PORT)},
-                    {"name": "METRICS_HOST", "value": metrics_host}],
+                    {"name": "METRICS_HOST", "value": "0.0.0.0"}],
             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
             "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
         "volumes": [{"name": "scratch", "emptyDir": {}}]}}

@@ -132,9 +132,7 @@ def test_kubectl_logs_previous_exec_and_port_forward_reach_a_container(real_clus
     core = real_cluster.core()
     core.create_namespaced_pod(real_namespace, endpoint_pod(
         "talker", "python", node_selector={"kubernetes.io/hostname": NODE},
-        image=real_cluster.real_nodes[0].images["worker"],
-        # containerd forwards to localhost in the pod's network namespace.
-        metrics_host="0.0.0.0"))
+        image=real_cluster.real_nodes[0].images["worker"]))
     kubectl = [str(ensure_built().path("kubectl")), "--kubeconfig", str(real_cluster.kubeconfig)]
     # The kubelet's first restart back-off is 10 s.
     check_pod_endpoints(kubectl, core, real_namespace, "talker", exec_refusal=None,
