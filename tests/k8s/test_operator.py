@@ -104,7 +104,7 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
         assert verbs.get("POST", 0) >= 4 and verbs.get("PATCH", 0) >= 1, verbs
         assert m[("dynatrain_operator_reconcile_seconds_count",
                   (("job", "elastic"), ("namespace", namespace)))] > 10
-        _check_step_and_loss_columns(kubectl, pods, namespace, "elastic")
+        _check_step_and_loss_columns(kubectl, core, namespace, "elastic")
     finally:
         untaint(core, node, SPOT_INTERRUPTION_TAINT)
         kubectl("delete", "dynatrainjob", "elastic", "-n", namespace, "--wait=false")
@@ -118,17 +118,21 @@ def _columns(table: str) -> dict[str, str]:
             for i, (start, name) in enumerate(starts)}
 
 
-def _check_step_and_loss_columns(kubectl, pods, namespace, name) -> None:
+def _check_step_and_loss_columns(kubectl, core, namespace, name) -> None:
     """``kubectl get`` shows the job's step and loss, and they are what the job's rank-0
-    worker said for that step in its log (every step, with ``logEverySteps: 1``)."""
+    worker said for that step in its log (every step, with ``logEverySteps: 1``), as
+    ``kubectl logs`` of the running workers shows it."""
     row = _columns(kubectl("get", "dynatrainjobs", name, "-n", namespace).stdout)
     step, loss = int(row["STEP"]), float(row["LOSS"])
     assert step > 0 and loss > 0, row
 
     def said():
         found = {}
-        for log in (pods.workdir / namespace).glob(f"{name}-worker-*/container.log"):
-            for line in log.read_text(errors="replace").splitlines():
+        for pod in core.list_namespaced_pod(namespace,
+                                            label_selector=f"dynatrain.io/job={name}").items:
+            if pod.metadata.deletion_timestamp or pod.status.phase != "Running":
+                continue
+            for line in kubectl("logs", pod.metadata.name, "-n", namespace).stdout.splitlines():
                 if "rank 0): step " in line:
                     text = line.split("rank 0): step ", 1)[1]
                     found.setdefault(int(text.split("/")[0]), []).append(
