@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from dynatrain.trainer.config import PRECISIONS, TEXT_SUFFIXES, TOKEN_DTYPES
+from dynatrain.trainer.config import (DATA_FORMATS, PRECISIONS, TOKEN_DTYPES, DataSource,
+                                      data_format)
 from dynatrain.trainer.schedule import DECAYS, LRSchedule, ScheduleError
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 from dynatrain.vps.model import ModelSpec, ModelSpecError, model_from_dict
@@ -59,12 +60,19 @@ class Training:
     data: str = "synthetic"
     data_dtype: str = "uint16"
     tokenizer: str = ""
+    data_format: str = "auto"
+    data_blend: tuple[DataSource, ...] = ()
+    """``spec.training.data`` as a list (or ``sources``): the blend; ``data`` is then unused."""
+    shuffle: bool = False
+    shuffle_seed: int | None = None
     lr_schedule: LRSchedule = LRSchedule()
     grad_clip: float = 0.0
     init_hf: str = ""
     """``spec.model.hf``: the checkpoint directory whose weights start the job."""
-    activation_checkpointing: bool = False
-    """``spec.training.activationCheckpointing``: recompute each block in the backward pass."""
+
+    @property
+    def sources(self) -> tuple[DataSource, ...]:
+        return self.data_blend or (DataSource(path=self.data, format=self.data_format),)
 
 
 @dataclass(frozen=True)
@@ -175,9 +183,10 @@ class JobSpec:
                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
                            lr=t.learning_rate, eps=t.adam_eps, seed=t.seed, data=t.data,
                            data_dtype=t.data_dtype, tokenizer=t.tokenizer,
+                           data_format=t.data_format, data_blend=t.data_blend,
+                           shuffle=t.shuffle, shuffle_seed=t.shuffle_seed,
                            lr_schedule=t.lr_schedule, total_steps=t.steps,
-                           grad_clip=t.grad_clip, init_hf=t.init_hf,
-                           activation_checkpointing=t.activation_checkpointing)
+                           grad_clip=t.grad_clip, init_hf=t.init_hf)
 
 
 class _Reader:
@@ -316,12 +325,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     precision = r.str(tr, "precision", "spec.training", choices=tuple(PRECISIONS))
     if model is not None and precision:
         model = replace(model, dtype=PRECISIONS[precision])
-    data, data_dtype, tokenizer = _data(r, tr)
-    checkpointing = tr.get("activationCheckpointing", False)
-    if not isinstance(checkpointing, bool):
-        r.problems.append(f"spec.training.activationCheckpointing={checkpointing!r} must be "
-                          "true or false")
-        checkpointing = False
+    data = _data(r, tr)
     training = Training(
         steps=r.int(tr, "steps", "spec.training", 100, minimum=1) or 100,
         seq_len=r.int(tr, "seqLen", "spec.training", 0, minimum=0) or 0,
@@ -329,11 +333,11 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         learning_rate=r.float(tr, "learningRate", "spec.training", 1e-3),
         adam_eps=r.float(tr, "adamEpsilon", "spec.training", 1e-8),
         seed=r.int(tr, "seed", "spec.training", 0, minimum=0) or 0,
-        data=data, data_dtype=data_dtype, tokenizer=tokenizer,
+        **data,
         lr_schedule=_schedule(r, r.obj(tr, "lrSchedule", "spec.training")),
         grad_clip=(r.float(tr, "gradClip", "spec.training", 0.0, positive=False)
                    if "gradClip" in tr else 0.0),
-        init_hf=hf_dir, activation_checkpointing=checkpointing)
+        init_hf=hf_dir)
     if training.grad_clip < 0:
         r.problems.append(f"spec.training.gradClip={training.grad_clip} must be >= 0 "
                           "(0: no clipping)")
@@ -341,8 +345,9 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         r.problems.append(f"spec.training.lrSchedule.minLearningRate="
                           f"{training.lr_schedule.min_lr} exceeds spec.training.learningRate="
                           f"{training.learning_rate}")
-    if (model is not None and data_dtype == "uint16" and model.vocab_size > 1 << 16
-            and Path(data).suffix.lower() not in TEXT_SUFFIXES):   # text: the tokenizer decides
+    if (model is not None and training.data_dtype == "uint16" and model.vocab_size > 1 << 16
+            and any(s.kind in ("tokens", "table") for s in training.sources)):
+        # (text and SFT: the tokenizer's vocabulary decides the cached file's dtype)
         r.problems.append(f"spec.training.data.dtype='uint16' cannot hold the ids of the "
                           f"model's {model.vocab_size:,}-token vocabulary; use 'uint32'")
     mbs = training.micro_batch_size
@@ -475,28 +480,87 @@ def _hf_model(r: _Reader, hf_dir: str, inline) -> ModelSpec | None:
         return None
 
 
-def _data(r: _Reader, tr: dict) -> tuple[str, str, str]:
-    """``spec.training.data``: ``synthetic``, a token file's path, or ``{path, dtype,
-    tokenizer}`` (text files need the tokenizer). Returns (path, dtype, tokenizer)."""
+DATA_FIELDS = ("path", "sources", "dtype", "tokenizer", "format", "shuffle", "seed")
+SOURCE_FIELDS = ("path", "weight", "format")
+
+
+def _data(r: _Reader, tr: dict) -> dict:
+    """``spec.training.data``: ``synthetic``, a path, a list of sources ``[{path, weight,
+    format}, ...]`` (a blend), or a mapping ``{path | sources, dtype, tokenizer, format,
+    shuffle, seed}``. Returns the ``Training`` fields."""
+    at = "spec.training.data"
     value = tr.get("data", "synthetic")
     if isinstance(value, str) and value:
-        return value, "uint16", ""
+        return dict(data=value)
+    if isinstance(value, list):
+        value = {"sources": value}
     if not isinstance(value, dict):
-        r.problems.append(f"spec.training.data={value!r} must be 'synthetic', a token file's "
-                          "path, or a mapping {path, dtype, tokenizer}")
-        return "synthetic", "uint16", ""
-    unknown = sorted(set(value) - {"path", "dtype", "tokenizer"})
+        r.problems.append(f"{at}={value!r} must be 'synthetic', a path, a list of sources "
+                          "[{path, weight, format}], or a mapping {path or sources, dtype, "
+                          "tokenizer, format, shuffle, seed}")
+        return {}
+    unknown = sorted(set(value) - set(DATA_FIELDS))
     if unknown:
-        r.problems.append(f"spec.training.data: unknown field(s) {', '.join(unknown)}; valid "
-                          "fields: path, dtype, tokenizer")
-    path = r.str(value, "path", "spec.training.data", required=True) or "synthetic"
-    dtype = r.str(value, "dtype", "spec.training.data", "uint16",
-                  choices=tuple(TOKEN_DTYPES)) or "uint16"
-    tokenizer = r.str(value, "tokenizer", "spec.training.data", "") if "tokenizer" in value else ""
-    if Path(path).suffix.lower() in TEXT_SUFFIXES and not tokenizer:
-        r.problems.append(f"spec.training.data.path={path!r} is text; set "
-                          "spec.training.data.tokenizer to a Hugging Face tokenizer directory")
-    return path, dtype, tokenizer or ""
+        r.problems.append(f"{at}: unknown field(s) {', '.join(unknown)}; valid fields: "
+                          f"{', '.join(DATA_FIELDS)}")
+    out = dict(data_dtype=r.str(value, "dtype", at, "uint16", choices=tuple(TOKEN_DTYPES))
+               or "uint16",
+               tokenizer=(r.str(value, "tokenizer", at, "") if "tokenizer" in value else "")
+               or "")
+    shuffle = value.get("shuffle", False)
+    if not isinstance(shuffle, bool):
+        r.problems.append(f"{at}.shuffle={shuffle!r} must be true or false")
+        shuffle = False
+    out["shuffle"] = shuffle
+    if "seed" in value:
+        out["shuffle_seed"] = r.int(value, "seed", at, 0, minimum=0)
+    fmt = r.str(value, "format", at, "auto", choices=DATA_FORMATS) or "auto"
+    if ("path" in value) == ("sources" in value):
+        r.problems.append(f"{at} needs exactly one of path (one source) and sources (a blend)")
+        return out
+    if "path" in value:
+        out["data"] = r.str(value, "path", at, required=True) or "synthetic"
+        out["data_format"] = fmt
+        sources = [DataSource(path=out["data"], format=fmt)]
+        where = [f"{at}.path"]
+    else:
+        items = value["sources"]
+        if "format" in value:
+            r.problems.append(f"{at}.format applies to one path; give each source its own "
+                              "format")
+        if not isinstance(items, list) or not items:
+            r.problems.append(f"{at}.sources={items!r} must be a non-empty list of "
+                              "{path, weight, format}")
+            return out
+        sources, where = [], []
+        for n, item in enumerate(items):
+            here = f"{at}.sources[{n}]" if "sources" in tr.get("data", {}) else f"{at}[{n}]"
+            if isinstance(item, str):
+                item = {"path": item}
+            if not isinstance(item, dict):
+                r.problems.append(f"{here}={item!r} must be a mapping {{path, weight, format}}")
+                continue
+            bad = sorted(set(item) - set(SOURCE_FIELDS))
+            if bad:
+                r.problems.append(f"{here}: unknown field(s) {', '.join(bad)}; valid fields: "
+                                  f"{', '.join(SOURCE_FIELDS)} (tokenizer, dtype and shuffle "
+                                  f"go on {at} itself)")
+            path = r.str(item, "path", here, required=True)
+            weight = r.float(item, "weight", here, 1.0)
+            f = r.str(item, "format", here, "auto", choices=DATA_FORMATS) or "auto"
+            if path:
+                sources.append(DataSource(path=path, weight=weight or 1.0, format=f))
+                where.append(here)
+        if len(sources) == 1:
+            out["data"], out["data_format"] = sources[0].path, sources[0].format
+        else:
+            out["data_blend"] = tuple(sources)
+    for s, here in zip(sources, where):
+        kind = data_format(s.path, s.format)
+        if kind in ("text", "sft") and not out["tokenizer"]:
+            r.problems.append(f"{here}={s.path!r} is {kind}; set {at}.tokenizer to a Hugging "
+                              "Face tokenizer directory")
+    return out
 
 
 def _schedule(r: _Reader, doc: dict) -> LRSchedule:

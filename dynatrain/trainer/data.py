@@ -2,29 +2,51 @@
 
 A step consumes the global samples ``[position, position + global_batch_size)``; data-parallel
 rank ``j`` takes its contiguous share and cuts it into micro-batches. Because samples are a pure
-function of (source, seed, index), the data position (the next sample index) is all the state
+function of (sources, seed, index), the data position (the next sample index) is all the state
 the stream has, and a run resumed under another layout sees exactly the samples it would have.
 
-Two sources: a seeded synthetic stream with learnable structure (a sparse Markov chain, so the
-loss visibly falls within a few steps), and a local file of flat uint16 or uint32 tokens,
-memory-mapped (a text corpus becomes such a file once, :mod:`.textdata`).
+Sources: a seeded synthetic stream with learnable structure (a sparse Markov chain, so the
+loss visibly falls within a few steps); a local file of flat uint16 or uint32 tokens,
+memory-mapped (text corpora, Parquet/Arrow files and Hugging Face ``datasets`` directories
+become such a file once: :mod:`.textdata`, :mod:`.tables`); SFT conversations rendered with the
+tokenizer's chat template and packed into windows with a loss mask (:mod:`.sft`).
+
+Two layers sit between a global sample index and a source's window, both pure functions of
+the index, so neither adds state and neither depends on the layout:
+
+- **Shuffling** (:class:`Shuffled`): in epoch ``e = i // windows`` sample ``i`` reads window
+  ``perm_e(i mod windows)``, where ``perm_e`` is a keyed Feistel bijection of
+  ``[0, windows)`` (:class:`Permutation`, key from (seed, source, e)): every window once per
+  epoch, a new order each epoch, O(1) memory whatever the corpus size.
+- **Blending** (:class:`Blend`): weights become small integer counts per period (fractions with
+  denominators up to 1,000); one period is laid out by smooth weighted round robin (nginx's:
+  each source gains its count, the richest is picked and pays the period), so sources
+  interleave evenly and every period holds each source exactly its count. Global sample ``i``
+  is period ``i // P``, slot ``i mod P``; the source's own sample index is its count times the
+  period plus its slots before ``i``'s, so each source is read as its own stream, in order
+  (shuffled if asked), with its own epochs.
+
+Samples whose targets are partly masked (SFT) come with a loss mask; :func:`micro_batches`
+writes :data:`IGNORE_INDEX` into masked targets, which the loss skips.
 """
 
 from __future__ import annotations
 
 import os
 import zlib
+from fractions import Fraction
+from math import gcd, lcm
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import TOKEN_DTYPES
-from .textdata import DataError, check_tokens, is_text, prepare_data
+from .config import TOKEN_DTYPES, DataSource
+from .textdata import DataError, check_tokens, prepare_data, prepare_source
+from .tp import IGNORE_INDEX
 
-__all__ = ["SyntheticTokens", "FileTokens", "token_source", "prepare_data", "micro_batches",
-           "DataError"]
-
+__all__ = ["SyntheticTokens", "FileTokens", "Permutation", "Shuffled", "BlendSchedule", "Blend",
+           "token_source", "prepare_data", "micro_batches", "DataError", "IGNORE_INDEX"]
 
 class SyntheticTokens:
     """A seeded sparse Markov chain over the first ``min(vocab, 512)`` token ids: every token
@@ -85,25 +107,171 @@ class FileTokens:
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
 
-def token_source(config):
-    """The token stream of a :class:`~dynatrain.trainer.config.TrainConfig`: the synthetic
-    stream, a token file, or a text corpus's cached token file (tokenised here if no process
-    did it before, see :func:`prepare_data`)."""
-    if config.data == "synthetic":
+class Permutation:
+    """A seeded bijection of ``[0, n)``: a 6-round Feistel network on the smallest even number
+    of bits covering ``n``, its round function a SplitMix64 hash of (key, round, half), with
+    cycle walking (apply again until the value falls below ``n``; the domain is under 4n, so
+    under 4 tries on average). Any key gives a permutation; different keys, different orders."""
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, key: int):
+        if n < 1:
+            raise ValueError(f"a permutation of {n} elements")
+        bits = max(2, (n - 1).bit_length())
+        self.n, self.half = n, (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        self.keys = [_mix(key * 0x100 + r) for r in range(self.ROUNDS)]
+
+    def __call__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(f"{i} outside [0, {self.n})")
+        x = self._round_trip(i)
+        while x >= self.n:
+            x = self._round_trip(x)
+        return x
+
+    def _round_trip(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix(k ^ right) & self.mask)
+        return (left << self.half) | right
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser: a 64-bit hash whose every output bit depends on every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class Shuffled:
+    """``source`` read in a seeded order: sample ``i`` is window ``perm_e(i mod windows)`` of
+    epoch ``e = i // windows``, with a fresh permutation per epoch."""
+
+    def __init__(self, source, seed: int, salt: int = 0):
+        if not source.windows:
+            raise DataError("only a source with a finite number of windows can be shuffled")
+        self.source, self.windows = source, source.windows
+        self.key = _mix(_mix(seed) ^ salt)
+        self.masked = getattr(source, "masked", False)
+
+    def window_of(self, index: int) -> int:
+        epoch, i = divmod(index, self.windows)
+        return Permutation(self.windows, _mix(self.key ^ epoch))(i)   # (6 hashes to build)
+
+    def example(self, index: int):
+        return _example(self.source, self.window_of(index))
+
+
+class BlendSchedule:
+    """Global sample index -> (source, that source's own sample index), for weights given as
+    positive numbers (any scale: only their ratios count)."""
+
+    MAX_PERIOD = 1_000_000
+
+    def __init__(self, weights):
+        if not weights or any(not w > 0 for w in weights):
+            raise DataError(f"blend weights {list(weights)} must be positive numbers")
+        total = sum(weights)
+        fractions = [Fraction(w / total).limit_denominator(1000) for w in weights]
+        if any(f == 0 for f in fractions):
+            raise DataError(f"blend weights {list(weights)}: a share below 1/1000 of the blend "
+                            "rounds to nothing; raise it or drop that source")
+        scale = lcm(*(f.denominator for f in fractions))
+        counts = [int(f * scale) for f in fractions]
+        common = gcd(*counts)
+        self.counts = [c // common for c in counts]
+        self.period = sum(self.counts)
+        if self.period > self.MAX_PERIOD:
+            raise DataError(f"blend weights {list(weights)} need a period of {self.period:,} "
+                            f"samples (over {self.MAX_PERIOD:,}); use rounder ratios")
+        current, self.pattern, self.rank = [0] * len(self.counts), [], []
+        seen = [0] * len(self.counts)
+        for _ in range(self.period):             # smooth weighted round robin
+            current = [c + n for c, n in zip(current, self.counts)]
+            pick = current.index(max(current))
+            current[pick] -= self.period
+            self.pattern.append(pick)
+            self.rank.append(seen[pick])
+            seen[pick] += 1
+
+    def __call__(self, index: int) -> tuple[int, int]:
+        period, slot = divmod(index, self.period)
+        s = self.pattern[slot]
+        return s, period * self.counts[s] + self.rank[slot]
+
+
+class Blend:
+    """Several sources interleaved by :class:`BlendSchedule`."""
+
+    windows = None
+
+    def __init__(self, sources: list, weights):
+        self.sources, self.schedule = sources, BlendSchedule(weights)
+        self.masked = any(getattr(s, "masked", False) for s in sources)
+
+    def example(self, index: int):
+        s, k = self.schedule(index)
+        return _example(self.sources[s], k)
+
+
+def _example(source, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens (T+1,), loss mask over the T targets or None for all) of sample ``index``."""
+    if hasattr(source, "example"):
+        return source.example(index)
+    return source.sample(index), None
+
+
+def _one_source(s: DataSource, config, salt: int):
+    """One source of ``config``'s data, shuffled if the config asks."""
+    if s.path == "synthetic":
+        # Synthetic samples are already independent seeded draws per index: there is no file
+        # order to shuffle, so `shuffle` leaves them as they are (documented in the config).
         return SyntheticTokens(config.model.vocab_size, config.seq_len, config.seed)
-    path, dtype = prepare_data(config)
-    source = f"{config.data} with {config.tokenizer}" if is_text(config.data) else ""
-    return FileTokens(path, config.model.vocab_size, config.seq_len, dtype, source=source)
+    fmt, path, dtype = prepare_source(s, config)
+    if fmt == "sft":
+        from .sft import SFTWindows
+
+        source = SFTWindows(path, config.tokenizer, config.seq_len, config.model.vocab_size)
+    else:
+        what = f"{s.path} with {config.tokenizer}" if config.tokenizer and fmt != "tokens" else ""
+        source = FileTokens(path, config.model.vocab_size, config.seq_len, dtype, source=what)
+    if config.shuffle:
+        seed = config.seed if config.shuffle_seed is None else config.shuffle_seed
+        source = Shuffled(source, seed, salt)
+    return source
+
+
+def token_source(config):
+    """The sample stream of a :class:`~dynatrain.trainer.config.TrainConfig`: its one source,
+    or the blend of its sources, each shuffled when ``config.shuffle``. Text, tables and SFT
+    conversations are prepared here if no process did it before (see
+    :func:`~dynatrain.trainer.textdata.prepare_source`)."""
+    sources = config.sources
+    if len(sources) == 1:
+        return _one_source(sources[0], config, salt=0)
+    return Blend([_one_source(s, config, salt=n) for n, s in enumerate(sources)],
+                 [s.weight for s in sources])
 
 
 def micro_batches(source, position: int, global_batch: int, dp: int, dp_index: int,
                   micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This DP rank's (inputs, targets) micro-batches of the step starting at ``position``."""
+    """This DP rank's (inputs, targets) micro-batches of the step starting at ``position``;
+    masked targets (SFT: everything but the assistant's tokens) are :data:`IGNORE_INDEX`."""
     per_rank = global_batch // dp
     first = position + dp_index * per_rank
     out = []
     for m in range(per_rank // micro_batch):
-        rows = [source.sample(first + m * micro_batch + i) for i in range(micro_batch)]
-        batch = torch.stack(rows)                       # (mb, T+1)
-        out.append((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+        rows = [_example(source, first + m * micro_batch + i) for i in range(micro_batch)]
+        batch = torch.stack([tokens for tokens, _ in rows])     # (mb, T+1)
+        targets = batch[:, 1:].clone()
+        for row, (_, keep) in enumerate(rows):
+            if keep is not None:
+                targets[row][~keep] = IGNORE_INDEX
+        out.append((batch[:, :-1].contiguous(), targets))
     return out

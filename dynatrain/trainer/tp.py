@@ -10,6 +10,16 @@ the gradient by the group size here, where every TP rank computes the same loss.
 
 Vocabulary-parallel embedding and cross-entropy build on them, so no rank ever materialises
 logits for the whole vocabulary.
+
+Masked targets (:data:`IGNORE_INDEX`, e.g. an SFT conversation's user turns) add nothing to the
+loss. The loss of a micro-batch is the mean over its unmasked targets (0 when it has none);
+the step's loss and gradient are the mean of its micro-batches' losses, over every micro-batch
+of every DP rank. The micro-batches of a step are the same under any layout (the global batch
+and ``micro_batch_size`` are fixed, and each DP rank cuts its contiguous share into them), so
+this equals single-process training with the same micro-batch size, and a live switch changes
+nothing. It is *not* the mean over all unmasked tokens of the global batch: micro-batches with
+few assistant tokens weigh as much as those with many (``transformers``' per-batch
+``F.cross_entropy(ignore_index=-100)`` convention, applied per micro-batch).
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dynatrain.vps.abandon import wait
+
+IGNORE_INDEX = -100
+"""A target the loss skips (PyTorch's and Hugging Face's convention)."""
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -67,13 +80,18 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab_s
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                                  group, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy when this rank holds the logits of one vocabulary slice: the mean, or
-    with ``reduction="none"`` each row's (evaluation sums them over the rows it counts).
+    """Cross-entropy when this rank holds the logits of one vocabulary slice: the mean over
+    the targets that are not :data:`IGNORE_INDEX` (0 if every one is), or with
+    ``reduction="none"`` each row's, 0 for an ignored one (evaluation sums them over the rows
+    it counts).
 
     logits: (N, V_local) for vocabulary rows [vocab_start, vocab_start + V_local).
     """
+    keep = targets != IGNORE_INDEX
     if group is None:
-        return F.cross_entropy(logits, targets, reduction=reduction)
+        if reduction == "mean" and not keep.any():
+            return logits.sum() * 0.0                      # no NaN, and a (zero) gradient
+        return F.cross_entropy(logits, targets, reduction=reduction, ignore_index=IGNORE_INDEX)
     with torch.no_grad():
         top = logits.max(dim=-1).values
         wait(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True))
@@ -83,5 +101,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     inside = (local >= 0) & (local < logits.shape[-1])
     picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     target_logit = reduce_from_tp(picked * inside, group)
-    losses = sum_exp.log() - target_logit
-    return losses.mean() if reduction == "mean" else losses
+    losses = (sum_exp.log() - target_logit) * keep
+    if reduction != "mean":
+        return losses
+    return losses.sum() / keep.sum().clamp(min=1)
