@@ -79,6 +79,7 @@ bench: setup
 	$(BIN)/python benchmarks/gloo_messages.py
 	$(BIN)/dynatrain bench goodput --trace examples/spot-trace.yaml
 	$(BIN)/python benchmarks/vs_torchft.py
+	$(BIN)/python benchmarks/vs_native.py
 	$(BIN)/python benchmarks/operator_scale.py --jobs 20 --seconds 60
 
 # On a machine with an NVIDIA GPU: the CUDA paths (training, the engine's local copies and

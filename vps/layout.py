@@ -6,6 +6,11 @@ A :class:`Layout` is a value: parallel degrees, ZeRO stage, pipeline stage sizes
 checked against a model by :func:`validate`, which reports every problem at once, each naming
 the value and what would be valid.
 
+The pipeline schedule (``schedule=gpipe`` or ``schedule=1f1b``) is part of the layout although
+it places no shard differently: it is how the layout *runs* (1F1B keeps at most ``pp - stage``
+micro-batches' activations alive, GPipe all of them), so the solver weighs it with the other
+axes and a change of schedule is an ordinary switch, at a step boundary, that moves no bytes.
+
 Rank coordinates follow Megatron's default order ``tp-dp-pp`` (tp fastest, pp slowest), so a
 TP group is a run of consecutive ranks and, with 8 devices a node, stays inside one node.
 Expert parallelism is carved out of data parallelism: the dp index ``j`` splits into
@@ -24,7 +29,11 @@ from .model import FIRST, LAST, ModelSpec
 AXES = ("tp", "dp", "pp")
 ZERO_STAGES = (0, 1, 3)
 DEFAULT_ORDER = ("tp", "dp", "pp")
-_KEYS = ("dp", "tp", "pp", "ep", "zero", "stages", "order")
+SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules: every forward then every backward (GPipe), or one forward one backward
+once the pipeline is full (1F1B, PipeDream-Flush). Both run the backward passes in micro-batch
+order, so they accumulate gradients in the same order and train bit-identically."""
+_KEYS = ("dp", "tp", "pp", "ep", "zero", "stages", "order", "schedule")
 
 
 class LayoutError(ValueError):
@@ -51,6 +60,9 @@ class Layout:
     """Rank order, fastest-varying axis first."""
     devices: tuple[int, ...] | None = None
     """Device of each rank; None means devices 0..world-1."""
+    schedule: str = "gpipe"
+    """Pipeline schedule, one of :data:`SCHEDULES`; it changes no shard, only activation
+    memory (also with pp = 1, where 1F1B is plain gradient accumulation)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -63,6 +75,9 @@ class Layout:
         if sorted(self.order) != sorted(AXES):
             problems.append(f"order={'-'.join(self.order)!r} must be a permutation of "
                             f"tp, dp, pp (e.g. {'-'.join(DEFAULT_ORDER)})")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule={self.schedule!r} is not a pipeline schedule; valid: "
+                            f"{', '.join(SCHEDULES)}")
         if problems:
             raise LayoutError("; ".join(problems))
         if self.devices is not None:
@@ -118,6 +133,8 @@ class Layout:
             parts.append("stages=" + "+".join(map(str, self.stages)))
         if self.order != DEFAULT_ORDER:
             parts.append("order=" + "-".join(self.order))
+        if self.schedule != "gpipe":
+            parts.append(f"schedule={self.schedule}")
         return ",".join(parts)
 
     def __str__(self) -> str:
@@ -125,7 +142,7 @@ class Layout:
 
 
 def parse_layout(text: str) -> Layout:
-    """Parse ``dp=4,tp=2,pp=2,ep=2,zero=1,stages=12+10+10,order=tp-dp-pp``."""
+    """Parse ``dp=4,tp=2,pp=2,ep=2,zero=1,stages=12+10+10,order=tp-dp-pp,schedule=1f1b``."""
     if not isinstance(text, str) or not text.strip():
         raise LayoutError(f"layout {text!r} is empty; expected e.g. 'dp=4,tp=2,pp=2,zero=1'")
     values: dict = {}
@@ -149,6 +166,8 @@ def parse_layout(text: str) -> Layout:
                 values[key] = tuple(int(x) for x in raw.split("+"))
             elif key == "order":
                 values[key] = tuple(raw.split("-"))
+            elif key == "schedule":
+                values[key] = raw.lower()
             else:
                 values[key] = int(raw)
         except ValueError:

@@ -28,9 +28,15 @@ Memory (peak bytes per device, the busiest rank of the busiest pipeline stage)
     ZeRO-3: the reference trainer gathers the whole stage's working weights at the start of
     the step and keeps them until the optimizer has run (one more copy of ``grads``' size).
 ``activations``
-    GPipe (the trainer's schedule, also for pp = 1) keeps every micro-batch's autograd graph
-    of the stage until the backward pass: ``m * mb * seq * a_stage * act_bytes`` with ``m =
-    global_batch / (dp * mb)`` micro-batches per rank. ``a_stage`` counts the elements saved
+    ``n_s * mb * seq * a_stage * act_bytes``: ``n_s`` micro-batches' autograd graphs are alive
+    at once on stage s, which is what the layout's pipeline schedule decides. GPipe keeps all
+    ``m = global_batch / (dp * mb)`` of the rank until the backward passes; 1F1B starts the
+    oldest micro-batch's backward as soon as the last stage could have sent its gradient, so
+    stage s holds ``n_s = min(m, pp - s)`` (the first stage the most; the last stage one).
+    Measured on gpt-tiny, pp = 2, m = 8 (tests/trainer/test_schedule_1f1b.py, counting the
+    bytes saved for backward): GPipe / 1F1B = 4.0 on stage 0 and 8.0 on stage 1 exactly;
+    stage 0 measures 8% below this term, the last stage 30% below (the logits, next).
+    ``a_stage`` counts the elements saved
     for backward per token, per layer
     ``4h + (5 * heads * head_dim + mlp) / tp`` -- the replicated norm inputs and outputs
     (4h), q, k, v (kv heads expanded for GQA), the attention output and its reshaped copy,
@@ -41,7 +47,14 @@ Memory (peak bytes per device, the busiest rank of the busiest pipeline stage)
     and without the ``5 * heads * seq / h`` attention-score term, because
     ``scaled_dot_product_attention`` (flash / memory-efficient kernels) never stores the
     seq x seq score matrix. The last stage adds the logits (3 copies of V/tp per token:
-    logits, shifted, exp in the vocab-parallel cross-entropy).
+    logits, shifted, exp in the vocab-parallel cross-entropy; with tp = 1 torch's
+    ``F.cross_entropy`` keeps only its log-softmax, so this over-counts there).
+    With activation checkpointing (``spec.training.activationCheckpointing``) a block keeps
+    only its input (h per token) and recomputes the rest in its backward pass, so ``a_stage``
+    drops each layer's count to ``h``; one block's full count for one micro-batch is added
+    for the recomputation in flight. Its time: one more forward of the blocks (matmuls,
+    attention, elementwise) per micro-batch, ``+ T (matmul_blocks / F + attn / A + ew_blocks
+    b / E)`` in ``compute``, and one more forward of the TP all-reduces (2 per layer).
 ``buffers``
     the gradient all-reduce bucket (a flat copy of all gradients); it lives after the
     backward pass, when activations are gone, so the peak is
@@ -83,7 +96,7 @@ operator.
 ``pp_comm``
     per micro-batch and stage boundary: the activation forward and its gradient backward,
     ``2 * (alpha + T * h * b / bw)``.
-pipeline (GPipe) and ``bubble``
+pipeline (GPipe and 1F1B alike) and ``bubble``
     with ``c_s`` = compute and ``k_s`` = tp + ep + pp communication of stage s per
     micro-batch, the schedule runs ``m + pp - 1`` slots; slot i keeps the stages
     ``max(0, i - m + 1) .. min(i, pp - 1)`` busy and lasts ``max over busy s of (c_s +
@@ -93,7 +106,10 @@ pipeline (GPipe) and ``bubble``
     busy ranks' work has to fit through the cores, and a light stage that is done leaves its
     core to a heavy one (processor sharing); with a single stage this is ``share * c + k``,
     ``share = max(1, ranks / ranks that can compute at once)``. ``compute`` and the
-    communication terms are m steady-state slots; ``bubble`` is what fill and drain add.
+    communication terms are m steady-state slots; ``bubble`` is what fill and drain add. 1F1B
+    has GPipe's fill and drain (the same ``pp - 1`` slots, Narayanan et al. 2021), and the
+    trainer overlaps no message with compute in either, so both schedules get this time; they
+    differ in ``activations`` only.
 ``dp_comm``
     after the backward pass (the trainer does not overlap it): a bucketed all-reduce of the
     stage's dense gradients over dp and of its expert gradients over expert-dp
@@ -136,8 +152,8 @@ communication with compute (the trainer has none, but a faster trainer would), m
 efficiency falling with small TP shards or short sequences (``F`` is one figure per
 device), latency growing with the group size on GPUs (one ``latency_seconds``) and the
 oversubscription latency of a world size other than the one measured, stragglers and load
-from other processes, 1F1B or interleaved schedules, activation recomputation, memory
-fragmentation beyond ``reserved_bytes``.
+from other processes, interleaved (virtual-stage) schedules, selective recomputation,
+memory fragmentation beyond ``reserved_bytes``.
 """
 
 from __future__ import annotations
@@ -149,7 +165,7 @@ from dynatrain.vps.layout import Layout, bind, layout_problems
 from dynatrain.vps.model import DTYPE_BYTES, ModelSpec
 
 from .hardware import GiB, DeviceProfile
-from .stagecost import stage_costs
+from .stagecost import _layer_counts, stage_costs
 
 REFERENCE_ZERO_TRAFFIC = {0: 0.0, 1: 1.0, 3: 1.0}
 """Extra parameter-rebuild all-reduces per step, in units of one gradient all-reduce, for the
@@ -185,6 +201,9 @@ class Estimate:
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     """Bytes per device: state, grads, zero3_working, activations, buffers, reserved."""
     available_bytes: int = 0
+    stage_activations: tuple[int, ...] = ()
+    """Peak activation bytes of each pipeline stage's busiest rank, under the layout's
+    schedule (the ``activations`` term per stage)."""
 
     def __str__(self) -> str:
         fits = "" if self.fits else f" (does not fit in {format_gib(self.available_bytes)})"
@@ -249,8 +268,10 @@ def check_batch(model: ModelSpec, global_batch_size: int, micro_batch_size: int,
 
 def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
              global_batch_size: int, micro_batch_size: int = 1, seq_len: int,
-             zero_traffic: dict[int, float] | None = None) -> Estimate:
-    """Throughput and peak memory of ``layout`` (see the module docstring for the formulas).
+             zero_traffic: dict[int, float] | None = None,
+             activation_checkpointing: bool = False) -> Estimate:
+    """Throughput and peak memory of ``layout`` (see the module docstring for the formulas),
+    under its pipeline schedule, with or without per-block activation checkpointing.
 
     Raises SolverError if the layout cannot run the model at all (layout problems, or a
     global batch that dp * micro_batch_size does not divide).
@@ -280,10 +301,15 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     tokens = micro_batch_size * seq_len
     act_bytes = tokens * model.hidden_size * b
 
+    # Per block and token: elementwise elements, saved elements, TP all-reduces (fwd + bwd).
+    _, block_ew, block_saved, block_reduces = _layer_counts(model, tp)
+    layers_of = key.stages
+
     # Per micro-batch (forward + backward) and stage: compute c_s and communication k_s.
     compute, tp_c, ep_c, pp_c = [], [], [], []
     for st in stages:
         working_b = (st.dense_elements + st.expert_elements) * b
+        layers = layers_of[st.index]
         compute.append(3 * tokens * st.matmul_flops / flops
                        + 3 * tokens * st.attn_flops * seq_len / attn_rate
                        + 3 * tokens * st.elementwise * b / ew_rate
@@ -298,6 +324,18 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
             ep_c.append(st.moe_layers * (alpha(ep) + 4 * (alpha(ep) + moved)))
         else:
             ep_c.append(0.0)
+        if activation_checkpointing:
+            # One more forward of the blocks: their matmuls (the stage's less the head on the
+            # last stage), attention, elementwise kernels, forward TP all-reduces and EP
+            # exchanges (count, dispatch, combine).
+            head = 2 * model.vocab_size / tp * model.hidden_size if st.index == pp - 1 else 0
+            compute[-1] += (tokens * (st.matmul_flops - head) / flops
+                            + tokens * st.attn_flops * seq_len / attn_rate
+                            + tokens * layers * block_ew * b / ew_rate)
+            tp_c[-1] += layers * block_reduces / 2 * _all_reduce(act_bytes, tp, links["tp"],
+                                                                  alpha(tp))
+            if st.moe_layers and ep > 1:
+                ep_c[-1] += st.moe_layers * (alpha(ep) + 2 * (alpha(ep) + moved))
         pp_c.append(2 * (alpha(2) + act_bytes / links["pp"]) if pp > 1 else 0.0)
     comm = [tp_c[s] + ep_c[s] + pp_c[s] for s in range(pp)]
 
@@ -358,10 +396,18 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     step = pipeline + dp_comm + zero_comm + optimizer + other
 
     # Peak memory of the busiest stage.
-    peak, mem = -1, {}
+    peak, mem, stage_acts = -1, {}, []
     for st in stages:
         grads_b = (st.dense_elements + st.expert_elements) * b
-        acts = int(m * tokens * st.activations * b)
+        in_flight = min(m, pp - st.index) if lay.schedule == "1f1b" else m
+        saved = st.activations
+        if activation_checkpointing:      # a block keeps its input; one recomputed at a time
+            layers = layers_of[st.index]
+            saved -= layers * (block_saved - model.hidden_size)
+            acts = int((in_flight * saved + block_saved) * tokens * b)
+        else:
+            acts = int(in_flight * tokens * saved * b)
+        stage_acts.append(acts)
         this = {"state": st.state_bytes, "grads": grads_b,
                 "zero3_working": grads_b if lay.zero == 3 else 0,
                 "activations": acts, "buffers": grads_b if world > 1 else 0,
@@ -373,4 +419,5 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     available = profile.rank_memory(world)
     return Estimate(layout=layout, tokens_per_second=global_batch_size * seq_len / step,
                     step_seconds=step, memory_bytes=peak, breakdown=breakdown,
-                    fits=peak <= available, memory_breakdown=mem, available_bytes=available)
+                    fits=peak <= available, memory_breakdown=mem, available_bytes=available,
+                    stage_activations=tuple(stage_acts))

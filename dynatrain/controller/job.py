@@ -69,6 +69,8 @@ class Training:
     grad_clip: float = 0.0
     init_hf: str = ""
     """``spec.model.hf``: the checkpoint directory whose weights start the job."""
+    activation_checkpointing: bool = False
+    """``spec.training.activationCheckpointing``: recompute each block in the backward pass."""
 
     @property
     def sources(self) -> tuple[DataSource, ...]:
@@ -186,7 +188,8 @@ class JobSpec:
                            data_format=t.data_format, data_blend=t.data_blend,
                            shuffle=t.shuffle, shuffle_seed=t.shuffle_seed,
                            lr_schedule=t.lr_schedule, total_steps=t.steps,
-                           grad_clip=t.grad_clip, init_hf=t.init_hf)
+                           grad_clip=t.grad_clip, init_hf=t.init_hf,
+                           activation_checkpointing=t.activation_checkpointing)
 
 
 class _Reader:
@@ -326,6 +329,11 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     if model is not None and precision:
         model = replace(model, dtype=PRECISIONS[precision])
     data = _data(r, tr)
+    checkpointing = tr.get("activationCheckpointing", False)
+    if not isinstance(checkpointing, bool):
+        r.problems.append(f"spec.training.activationCheckpointing={checkpointing!r} must be "
+                          "true or false")
+        checkpointing = False
     training = Training(
         steps=r.int(tr, "steps", "spec.training", 100, minimum=1) or 100,
         seq_len=r.int(tr, "seqLen", "spec.training", 0, minimum=0) or 0,
@@ -337,7 +345,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         lr_schedule=_schedule(r, r.obj(tr, "lrSchedule", "spec.training")),
         grad_clip=(r.float(tr, "gradClip", "spec.training", 0.0, positive=False)
                    if "gradClip" in tr else 0.0),
-        init_hf=hf_dir)
+        init_hf=hf_dir, activation_checkpointing=checkpointing)
     if training.grad_clip < 0:
         r.problems.append(f"spec.training.gradClip={training.grad_clip} must be >= 0 "
                           "(0: no clipping)")

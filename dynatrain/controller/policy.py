@@ -72,7 +72,8 @@ class Policy:
         cap = min(len(usable), job.workers or job.max_workers)
         kw = dict(global_batch_size=job.global_batch_size,
                   micro_batch_size=job.training.micro_batch_size,
-                  seq_len=_seq_len(job))
+                  seq_len=_seq_len(job),
+                  activation_checkpointing=job.training.activation_checkpointing)
         lim = dict(zero_stages=job.limits.zero_stages, allow=job.limits.allow)
         if current is None or doomed & set(current.device_of):
             reason = "start" if current is None else "preemption"

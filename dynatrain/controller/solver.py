@@ -7,9 +7,19 @@ degree divides the batch (:func:`candidate_layouts`), prices each with
 :class:`~dynatrain.controller.hardware.DeviceProfile`, and ranks the ones that fit in memory
 (throughput, then deterministic tie-breaks). When nothing fits it raises
 :class:`~dynatrain.controller.costmodel.SolverError` naming why.
+
+The pipeline schedule is part of a layout. Each candidate is priced with GPipe and, where
+GPipe's activations do not fit, with 1F1B, which holds at most ``pp - stage`` micro-batches
+instead of all of them: the reference trainer runs both in the same time (the same fill and
+drain, no overlap of messages with compute in either), so 1F1B is chosen for the memory it
+saves, and a job whose GPipe layout fits is not switched for nothing. Activation checkpointing
+is the job's choice (``spec.training.activationCheckpointing``), not the solver's: it trades
+a forward pass for memory, which the estimates of every candidate then include.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from dynatrain.vps.layout import Layout, layout_problems
 from dynatrain.vps.model import ModelSpec
@@ -81,30 +91,45 @@ def _no_candidates(model, num_devices, global_batch_size, micro_batch_size, zero
             + "; ".join(layout_problems(Layout(dp=1, tp=num_devices), model, num_devices)))
 
 
-def _too_big(model, num_devices, ests: list[Estimate]) -> str:
+def _too_big(model, num_devices, ests: list[Estimate], checkpointing: bool) -> str:
     small = min(ests, key=lambda e: (e.memory_bytes, _rank_key(e)))
     mb = small.memory_breakdown
+    hint = "" if checkpointing else ", activation checkpointing (spec.training." \
+        "activationCheckpointing)"
     return (f"no layout of {model.name} on {num_devices} devices fits in memory: the "
             f"smallest need is {format_gib(small.memory_bytes)} per device "
             f"({small.layout.to_text()}: state {format_gib(mb['state'])}, grads "
             f"{format_gib(mb['grads'])}, activations {format_gib(mb['activations'])}), available "
-            f"{format_gib(small.available_bytes)}; use more devices, a smaller micro batch or "
-            "global batch, or a shorter sequence")
+            f"{format_gib(small.available_bytes)}; use more devices{hint}, a smaller micro "
+            "batch or global batch, or a shorter sequence")
+
+
+def _scheduled(model: ModelSpec, layout: Layout, profile: DeviceProfile, kw: dict) -> Estimate:
+    """The estimate of ``layout`` under GPipe, or under 1F1B where GPipe does not fit and
+    1F1B needs less (see the module docstring)."""
+    est = estimate(model, layout, profile, **kw)
+    if est.fits or layout.schedule != "gpipe":
+        return est
+    alt = estimate(model, replace(layout, schedule="1f1b"), profile, **kw)
+    return alt if alt.memory_bytes < est.memory_bytes else est
 
 
 def solve(model: ModelSpec, num_devices: int, profile: DeviceProfile, *,
           global_batch_size: int, micro_batch_size: int = 1, seq_len: int,
           fixed: Layout | None = None, zero_stages=(0, 1, 3),
-          allow=None) -> Estimate:
-    """The fastest layout of exactly ``num_devices`` devices that fits in memory.
+          allow=None, activation_checkpointing: bool = False) -> Estimate:
+    """The fastest layout of exactly ``num_devices`` devices that fits in memory, with its
+    pipeline schedule (see the module docstring).
 
     With ``fixed``, only that layout is validated (against the model, the device count and
-    the batch) and estimated. ``allow(layout)`` narrows the candidates (a job's
-    ``spec.parallelism.limits``). Raises SolverError naming why when nothing fits.
+    the batch) and estimated, under its own schedule. ``allow(layout)`` narrows the
+    candidates (a job's ``spec.parallelism.limits``). ``activation_checkpointing`` is the
+    job's setting, priced into every estimate. Raises SolverError naming why when nothing
+    fits.
     """
     check_batch(model, global_batch_size, micro_batch_size, seq_len)
     kw = dict(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-              seq_len=seq_len)
+              seq_len=seq_len, activation_checkpointing=activation_checkpointing)
     if fixed is not None:
         problems = layout_problems(fixed, model, None if fixed.devices else num_devices)
         if fixed.devices is not None and fixed.world != num_devices:
@@ -137,16 +162,17 @@ def solve(model: ModelSpec, num_devices: int, profile: DeviceProfile, *,
                               f"is within spec.parallelism.limits (e.g. "
                               f"{layouts[0].to_text()!r} is not)")
         layouts = allowed
-    ests = [estimate(model, lay, profile, **kw) for lay in layouts]
+    ests = [_scheduled(model, lay, profile, kw) for lay in layouts]
     fitting = [e for e in ests if e.fits]
     if not fitting:
-        raise SolverError(_too_big(model, num_devices, ests))
+        raise SolverError(_too_big(model, num_devices, ests, activation_checkpointing))
     return min(fitting, key=_rank_key)
 
 
 def best_for_devices(model: ModelSpec, max_devices: int, profile: DeviceProfile, *,
                      global_batch_size: int, micro_batch_size: int = 1, seq_len: int,
-                     min_devices: int = 1, zero_stages=(0, 1, 3)) -> Estimate:
+                     min_devices: int = 1, zero_stages=(0, 1, 3),
+                     activation_checkpointing: bool = False) -> Estimate:
     """The fastest fitting layout over every device count in ``min_devices..max_devices``
     (the controller may leave devices idle, e.g. when 5 does not divide the batch). Equal
     throughput: the fewer devices win."""
@@ -157,7 +183,8 @@ def best_for_devices(model: ModelSpec, max_devices: int, profile: DeviceProfile,
         try:
             e = solve(model, n, profile, global_batch_size=global_batch_size,
                       micro_batch_size=micro_batch_size, seq_len=seq_len,
-                      zero_stages=zero_stages)
+                      zero_stages=zero_stages,
+                      activation_checkpointing=activation_checkpointing)
         except SolverError as err:
             errors.append((n, str(err)))
             continue

@@ -118,6 +118,11 @@ class TrainConfig:
     init_hf: str = ""
     """A Hugging Face checkpoint directory whose weights start the run (``hf:DIR`` models);
     empty: seeded random initialisation."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input for the backward pass and recompute the block
+    there (``spec.training.activationCheckpointing``): activations per micro-batch shrink from
+    a block's worth per layer to one hidden state per layer, for one more forward pass. The
+    recomputation repeats the same arithmetic, so losses and gradients are bit-identical."""
 
     def __post_init__(self) -> None:
         if self.seq_len == 0:
@@ -164,6 +169,8 @@ def config_problems(c: TrainConfig) -> list[str]:
         p.append(f"lr={c.lr} must be positive")
     if c.lr_schedule.min_lr > c.lr:
         p.append(f"the schedule's min_lr={c.lr_schedule.min_lr} exceeds the peak lr={c.lr}")
+    if not isinstance(c.activation_checkpointing, bool):
+        p.append(f"activation_checkpointing={c.activation_checkpointing!r} must be true or false")
     if c.grad_clip < 0:
         p.append(f"grad_clip={c.grad_clip} must be >= 0 (0: no clipping)")
     if c.data_dtype not in TOKEN_DTYPES:

@@ -35,9 +35,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class StageModel:
     def __init__(self, model: ModelSpec, layers: range, *, first: bool, last: bool, groups,
-                 ep: int, vocab_start: int):
+                 ep: int, vocab_start: int, recompute: bool = False):
         self.m, self.layers, self.first, self.last = model, layers, first, last
         self.g, self.ep, self.vocab_start = groups, ep, vocab_start
+        self.recompute = recompute
+        """Activation checkpointing: recompute each block in the backward pass instead of
+        keeping its activations."""
         self._rope = None
 
     # -- pieces ------------------------------------------------------------------------------
@@ -93,11 +96,22 @@ class StageModel:
             x = x + w["embed.positions"][: tokens.shape[1]]
         return x
 
+    def block(self, x: torch.Tensor, w: dict, i: int) -> torch.Tensor:
+        p = f"layers.{i}"
+        x = x + self._attention(self._norm(x, w, f"{p}.attn_norm"), w, f"{p}.attn")
+        return x + self._mlp(self._norm(x, w, f"{p}.mlp_norm"), w, p)
+
     def blocks(self, x: torch.Tensor, w: dict) -> torch.Tensor:
         for i in self.layers:
-            p = f"layers.{i}"
-            x = x + self._attention(self._norm(x, w, f"{p}.attn_norm"), w, f"{p}.attn")
-            x = x + self._mlp(self._norm(x, w, f"{p}.mlp_norm"), w, p)
+            if self.recompute and torch.is_grad_enabled():
+                # The reentrant variant keeps the block input through save_for_backward, so
+                # saved-tensor hooks (the trainer's activation meter) see it, and the
+                # recomputation's own saved tensors while they live. The model draws no
+                # random numbers, so there is no RNG state to replay.
+                x = torch.utils.checkpoint.checkpoint(self.block, x, w, i, use_reentrant=True,
+                                                      preserve_rng_state=False)
+            else:
+                x = self.block(x, w, i)
         return x
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor, w: dict,

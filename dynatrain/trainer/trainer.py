@@ -9,9 +9,24 @@ that runs.
 
 Compute uses each tensor's TP/EP-local *working* weight: the parameter itself without ZeRO-3,
 or (ZeRO-3) one gathered from the flat shards at the start of the step and dropped after it.
-The step is GPipe: every micro-batch forward through the stage (activations to the next stage),
-then every backward in reverse (gradients to the previous stage), then gradient reduction,
-clipping to the global norm, the scheduled learning rate and AdamW (see :mod:`.optim`).
+The step runs the layout's pipeline schedule over the rank's micro-batches (activations to the
+next stage, gradients back to the previous one), then gradient reduction, clipping to the
+global norm, the scheduled learning rate and AdamW (see :mod:`.optim`). The schedules:
+
+GPipe
+    every micro-batch forward, then every backward; the stage holds all ``m`` micro-batches'
+    activations at the turn.
+1F1B (PipeDream-Flush, Megatron's non-interleaved schedule)
+    stage ``s`` of ``pp`` runs ``min(m, pp - 1 - s)`` warm-up forwards, then alternates one
+    forward with one backward, then drains the remaining backwards; it holds at most
+    ``min(m, pp - s)`` micro-batches' activations. Where a stage must both send and receive
+    (its forward output and the gradient of an older micro-batch) it posts both before waiting
+    on either, as Megatron's ``send_forward_recv_backward`` does: with one blocking operation
+    at a time, two neighbours that each send first would wait on each other forever.
+
+Both run the backward passes in micro-batch order 0..m-1 (GPipe could take any order; this
+one is 1F1B's), so every weight gradient is the same float sum in the same order, and a
+schedule change, live or not, leaves the training bit-identical.
 """
 
 from __future__ import annotations
@@ -22,11 +37,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from collections import deque
+
 from dynatrain.vps.abandon import wait, waited_seconds
 from dynatrain.vps.boxes import box_extents, box_numel
 from dynatrain.vps.layout import bind
 from dynatrain.vps.mapping import Piece, counts_once, flat_shard_range, rank_shards, tp_box
 
+from .activations import ActivationMeter
 from .config import TrainConfig
 from .data import micro_batches, token_source
 from .model import StageModel
@@ -85,6 +103,9 @@ class StepResult:
     and pipeline messages, i.e. communication not hidden behind compute), ``redundancy``
     (waiting for the in-memory mirrors before the step's last all-reduce) and ``compute``
     (the rest)."""
+    activation_bytes: int = 0
+    """This rank's peak bytes of tensors saved for backward during the step, when
+    :attr:`Trainer.measure_activations` is on (:class:`.activations.ActivationMeter`); else 0."""
 
 
 class Trainer:
@@ -133,7 +154,11 @@ class Trainer:
         vocab_box = self.boxes.get("embed.tokens") or self.boxes.get("head.weight")
         self.stage = StageModel(self.model, self.bound.stage_layers(stage),
                                 first=groups.first_stage, last=groups.last_stage, groups=groups,
-                                ep=lay.ep, vocab_start=vocab_box[0][0] if vocab_box else 0)
+                                ep=lay.ep, vocab_start=vocab_box[0][0] if vocab_box else 0,
+                                recompute=config.activation_checkpointing)
+        self.measure_activations = False
+        """Count the bytes saved for backward in each step (``StepResult.activation_bytes``);
+        off by default: the hooks cost a little Python per saved tensor."""
         self._dense = [n for n, s in self.specs.items() if s.expert_dim is None]
         self._expert = [n for n, s in self.specs.items() if s.expert_dim is not None]
         # Tensors whose master gradient this rank adds to the global norm. The master
@@ -224,36 +249,17 @@ class Trainer:
             self._gather_zero3()
         for w in self.working.values():
             w.grad = None
-        cfg, g, stage, w = self.cfg, self.g, self.stage, self.working
+        cfg, g, w = self.cfg, self.g, self.working
         batches = micro_batches(self.source, self.position, cfg.global_batch_size,
                                 self.lay.dp, g.dp_index, cfg.micro_batch_size)
         scale = 1.0 / (len(batches) * self.lay.dp)
-        saved, losses = [], []
-        for inputs, targets in batches:                       # forward, all micro-batches
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            if g.first_stage:
-                x = stage.embed(inputs, w)
-            else:
-                x = torch.empty(self._activation_shape(), dtype=self.dtype, device=self.device)
-                wait(g.pp.recv([x], g.pp_index - 1, 0))
-                x.requires_grad_(True)
-            y = stage.blocks(x, w)
-            if g.last_stage:
-                loss = stage.loss(y, targets, w)
-                losses.append(loss.detach())
-                saved.append((x, loss * scale))
-            else:
-                wait(g.pp.send([y.detach().contiguous()], g.pp_index + 1, 0))
-                saved.append((x, y))
-        for x, y in reversed(saved):                          # backward, reverse order
-            if g.last_stage:
-                y.backward()
-            else:
-                grad = torch.empty_like(y)
-                wait(g.pp.recv([grad], g.pp_index + 1, 1))
-                y.backward(grad)
-            if not g.first_stage:
-                wait(g.pp.send([x.grad.contiguous()], g.pp_index - 1, 1))
+        run = self._one_f_one_b if self.lay.schedule == "1f1b" else self._gpipe
+        if self.measure_activations:
+            with ActivationMeter(exclude=[*w.values(), *self.params.values()]) as meter:
+                losses = run(batches, scale)
+            activation_bytes = meter.peak_bytes
+        else:
+            losses, activation_bytes = run(batches, scale), 0
 
         fill_missing_grads(self.working)
         reduce_gradients(self.working, self.specs, g)
@@ -290,7 +296,105 @@ class Trainer:
         phases = {"compute": max(0.0, seconds - communication - mirror_seconds),
                   "communication": communication, "redundancy": mirror_seconds}
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,
-                          float(report[1]), samples, grad_norm, self.lr, phases)
+                          float(report[1]), samples, grad_norm, self.lr, phases,
+                          activation_bytes)
+
+    # -- pipeline schedules --------------------------------------------------------------------
+    # Messages between neighbouring stages: activations forward under tag 0, their gradients
+    # backward under tag 1; gloo matches a receive to the same sender's sends of its tag in
+    # order, so each direction is a FIFO of micro-batches.
+    _FORWARD, _BACKWARD = 0, 1
+
+    def _exchange(self, send_next=None, send_prev=None, recv_prev=False,
+                  recv_next=False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Post every given pipeline send and receive, then wait for all of them: an
+        activation to the next stage and/or a gradient to the previous one; an activation
+        from the previous stage and/or a gradient from the next one, which are returned."""
+        g = self.g
+        from_prev = from_next = None
+        works = []
+        if send_next is not None:
+            works.append(g.pp.send([send_next.detach().contiguous()], g.pp_index + 1,
+                                   self._FORWARD))
+        if send_prev is not None:
+            works.append(g.pp.send([send_prev.contiguous()], g.pp_index - 1, self._BACKWARD))
+        if recv_prev:
+            from_prev = torch.empty(self._activation_shape(), dtype=self.dtype,
+                                    device=self.device)
+            works.append(g.pp.recv([from_prev], g.pp_index - 1, self._FORWARD))
+        if recv_next:
+            from_next = torch.empty(self._activation_shape(), dtype=self.dtype,
+                                    device=self.device)
+            works.append(g.pp.recv([from_next], g.pp_index + 1, self._BACKWARD))
+        for work in works:
+            wait(work)
+        return from_prev, from_next
+
+    def _forward(self, batch, x_in, scale: float, losses: list):
+        """One micro-batch through the stage: (its input, what backward starts from: the
+        scaled loss on the last stage, else the output, which goes to the next stage)."""
+        inputs, targets = batch
+        w = self.working
+        if self.g.first_stage:
+            x = self.stage.embed(inputs.to(self.device), w)
+        else:
+            x = x_in.requires_grad_(True)
+        y = self.stage.blocks(x, w)
+        if self.g.last_stage:
+            loss = self.stage.loss(y, targets.to(self.device), w)
+            losses.append(loss.detach())
+            return x, loss * scale
+        return x, y
+
+    def _backward(self, x, y, grad) -> torch.Tensor | None:
+        """Backward of one micro-batch; the gradient of its input for the previous stage."""
+        if grad is None:
+            y.backward()                                      # last stage: from the loss
+        else:
+            y.backward(grad)
+        return None if self.g.first_stage else x.grad
+
+    def _gpipe(self, batches, scale: float) -> list:
+        g, losses, saved = self.g, [], []
+        last, first = g.last_stage, g.first_stage
+        for batch in batches:                                 # forward, all micro-batches
+            x_in, _ = self._exchange(recv_prev=not first)
+            x, y = self._forward(batch, x_in, scale, losses)
+            self._exchange(send_next=None if last else y)
+            saved.append((x, y))
+        for x, y in saved:                                    # backward, micro-batch order
+            _, grad = self._exchange(recv_next=not last)
+            dx = self._backward(x, y, grad)
+            self._exchange(send_prev=dx)
+        return losses
+
+    def _one_f_one_b(self, batches, scale: float) -> list:
+        g, losses, alive = self.g, [], deque()
+        last, first = g.last_stage, g.first_stage
+        m = len(batches)
+        warmup = min(m, self.lay.pp - 1 - g.pp_index)
+        for i in range(warmup):
+            x_in, _ = self._exchange(recv_prev=not first)
+            x, y = self._forward(batches[i], x_in, scale, losses)
+            self._exchange(send_next=None if last else y)
+            alive.append((x, y))
+        steady = m - warmup
+        if steady:
+            x_in, _ = self._exchange(recv_prev=not first)
+        for i in range(steady):
+            x, y = self._forward(batches[warmup + i], x_in, scale, losses)
+            alive.append((x, y))
+            # Send this output on, take the gradient of the oldest micro-batch in flight.
+            _, grad = self._exchange(send_next=None if last else y, recv_next=not last)
+            x, y = alive.popleft()
+            dx = self._backward(x, y, grad)
+            # Send its input gradient back, take the next micro-batch's input.
+            x_in, _ = self._exchange(send_prev=dx, recv_prev=not first and i < steady - 1)
+        for _ in range(warmup):                               # drain
+            x, y = alive.popleft()
+            _, grad = self._exchange(recv_next=not last)
+            self._exchange(send_prev=self._backward(x, y, grad))
+        return losses
 
     def _optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Clip, schedule and step. Returns this rank's share of the squared gradient norm,
