@@ -20,7 +20,7 @@ from dynatrain.trainer.config import ConfigError  # noqa: E402
 @pytest.mark.timeout(120)
 def test_every_layout_beside_its_native_peer_computes_the_same_loss(capsys):
     # seq 8, 2 sequences per step: a few seconds per layout, most of it process start-up.
-    rc = vs_native.main(["--seq-len", "8", "--global-batch-size", "2", "--warmup", "1",
+    rc = vs_native.main(["--seq-len", "8", "--global-batch-size", "2", "--warmup", "0",
                          "--steps", "2", "--block", "1", "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err
