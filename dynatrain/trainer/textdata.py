@@ -415,10 +415,12 @@ def documents(text: Path) -> Iterator[tuple[str, int]]:
                                 'with a "text" field, or a JSON string') from None
             if isinstance(value, dict):
                 if "text" not in value:
+                    hint = (" (chat conversations: give this source format 'sft')"
+                            if "messages" in value else "")
                     raise DataError(f"{text}:{number}: the object has no \"text\" field (its "
                                     f"fields: {', '.join(list(value)[:8]) or 'none'}); each "
                                     'line must be an object with a "text" string, or a JSON '
-                                    "string")
+                                    f"string{hint}")
                 value = value["text"]
                 if not isinstance(value, str):
                     raise DataError(f"{text}:{number}: \"text\" is a JSON {_json_kind(value)}, "

@@ -323,6 +323,8 @@ def test_sft_problems_are_named(tmp_path):
     bad.write_text(json.dumps({"text": "no messages"}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:1: SFT lines must be objects"):
         conversations(bad, tok)
+    with pytest.raises(DataError, match="give this source format 'sft'"):
+        prepare_text(sft_file(tmp_path / "chat.jsonl", [CHAT]), tok)
     plain = small_tokenizer(tmp_path / "plain")
     with pytest.raises(DataError, match="has no chat template"):
         conversations(sft_file(tmp_path / "c.jsonl", [CHAT]), plain)
