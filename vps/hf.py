@@ -4,8 +4,9 @@ VPS tensor lives among a checkpoint's tensors.
 This is the one module that knows Hugging Face's names (DESIGN.md, "outside formats by rule, in
 one place"). :func:`model_from_hf` reads a ``config.json`` of the architectures the trainer
 computes exactly (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE) and refuses, naming the field, every
-setting whose math the trainer does not have (scaled RoPE, sliding windows, an output-projection
-or MLP bias, another activation, dense layers among MoE ones, ...), because a model that loads
+setting whose math the trainer does not have (RoPE scalings other than linear, dynamic, yarn and
+llama3, partial rotary dims, sliding windows, an output-projection or MLP bias, another
+activation, dense layers among MoE ones, ...), because a model that loads
 but computes something else is worse than one that does not load. :func:`hf_config` goes the
 other way, for export.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .boxes import Box, full_box
-from .model import ModelSpec, ModelSpecError
+from .model import ROPE_SCALINGS, ModelSpec, ModelSpecError, RopeScaling, yarn_mscale
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -137,40 +138,82 @@ def hf_arch(config: dict[str, Any], *, source: str = CONFIG) -> HFArch:
     return ARCHS[archs[0]]
 
 
-def _rope_problems(config: dict, get) -> tuple[float, list[str]]:
-    """RoPE base and the problems with the config's RoPE settings.
+_ROPE_TYPES = ("default",) + ROPE_SCALINGS
+_ROPE_KEYS = {  # the keys each rope_type reads (transformers ignores any other, and so do we)
+    "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+}
 
-    transformers 5 writes ``rope_parameters: {rope_theta, rope_type}``; older configs have a
-    top-level ``rope_theta`` and ``rope_scaling``. Only plain RoPE (``default``) is computed.
+
+def _rope(config: dict, get) -> tuple[float, RopeScaling | None, list[str]]:
+    """RoPE base, scaling and the problems with the config's RoPE settings.
+
+    transformers 5 writes ``rope_parameters: {rope_theta, rope_type, ...}``; older configs (Llama
+    3.1's, Qwen2.5's) have a top-level ``rope_theta`` and ``rope_scaling: {rope_type or type,
+    factor, ...}``, which transformers prefers when both are there, as here. A missing
+    ``original_max_position_embeddings`` is the top-level one, else ``max_position_embeddings``,
+    and yarn's unset values are derived, all as transformers does.
     """
     problems = []
-    params = config.get("rope_parameters")
+    where = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    params = config.get(where)
     if params is not None and not isinstance(params, dict):
-        problems.append(f"rope_parameters={params!r} must be a mapping")
+        problems.append(f"{where}={params!r} must be a mapping")
         params = None
     params = params or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"rope_parameters.rope_type={rope_type!r} is not supported (only "
-                        "'default' RoPE, without scaling)")
-    scaling = config.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "default":
-            problems.append(f"rope_scaling={scaling!r} is not supported (only unscaled RoPE; "
-                            "rope_scaling must be null)")
-    for where, value in (("partial_rotary_factor", config.get("partial_rotary_factor")),
-                         ("rope_parameters.partial_rotary_factor",
-                          params.get("partial_rotary_factor"))):
+    for key, value in (("partial_rotary_factor", config.get("partial_rotary_factor")),
+                       (f"{where}.partial_rotary_factor", params.get("partial_rotary_factor"))):
         if value not in (None, 1, 1.0):
-            problems.append(f"{where}={value!r} is not supported (RoPE over the whole head)")
+            problems.append(f"{key}={value!r} is not supported (RoPE over the whole head)")
     theta = params.get("rope_theta")
     if theta is None:
         theta = get("rope_theta")                  # top-level (transformers 4), or the default
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         problems.append(f"rope_theta={theta!r} must be a positive number")
         theta = 10000.0
-    return float(theta), problems
+    if rope_type not in _ROPE_TYPES:
+        problems.append(f"{where}.rope_type={rope_type!r} is not supported (one of "
+                        f"{', '.join(_ROPE_TYPES)})")
+    if rope_type not in ROPE_SCALINGS or problems:
+        return float(theta), None, problems
+
+    p = {k: params.get(k) for k in _ROPE_KEYS[rope_type]}
+    original = p.pop("original_max_position_embeddings", None)
+    if rope_type in ("llama3", "yarn"):
+        top = config.get("original_max_position_embeddings")
+        if top is not None and original is not None and top != original:
+            problems.append(f"original_max_position_embeddings={top!r} and {where}."
+                            f"original_max_position_embeddings={original!r} disagree")
+        original = original or top or get("max_position_embeddings")
+        p["original_max_seq_len"] = original
+    if rope_type == "yarn":
+        if p["factor"] is None and isinstance(original, int) and original > 0:
+            p["factor"] = get("max_position_embeddings") / original
+        mscale, mscale_all = p.pop("mscale"), p.pop("mscale_all_dim")
+        factor = p["factor"]
+        if p["attention_factor"] is None and mscale and mscale_all and isinstance(
+                factor, (int, float)):
+            p["attention_factor"] = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        if p["attention_factor"] is None:
+            p["attention_factor"] = 0.0                          # derived from factor
+        elif p["attention_factor"] == 0:
+            problems.append(f"{where}.attention_factor=0 is not supported (it zeroes every "
+                            "attention logit; omit it to derive it from factor)")
+            return float(theta), None, problems
+        p["beta_fast"] = p["beta_fast"] or 32.0                  # transformers: `or` defaults
+        p["beta_slow"] = p["beta_slow"] or 1.0
+        p["truncate"] = True if p["truncate"] is None else p["truncate"]
+    missing = sorted(k for k, v in p.items() if v is None)
+    if missing:
+        problems.append(f"{where} of rope_type={rope_type!r} lacks {', '.join(missing)}")
+        return float(theta), None, problems
+    try:
+        return float(theta), RopeScaling(type=rope_type, **p), problems
+    except ModelSpecError as e:
+        return float(theta), None, problems + [f"{where}: {e}"]
 
 
 def model_from_hf_config(config: dict[str, Any], *, name: str = "hf",
@@ -214,7 +257,7 @@ def model_from_hf_config(config: dict[str, Any], *, name: str = "hf",
     if dropout:
         problems.append(f"attention_dropout={dropout!r} is not supported (the trainer has no "
                         "dropout; set 0.0)")
-    theta, rope = _rope_problems(config, get)
+    theta, rope_scaling, rope = _rope(config, get)
     problems += rope
 
     max_pos = get("max_position_embeddings")
@@ -279,7 +322,8 @@ def model_from_hf_config(config: dict[str, Any], *, name: str = "hf",
             num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
             ffn_hidden_size=config["intermediate_size"], max_seq_len=max_pos,
             tie_embeddings=bool(get("tie_word_embeddings")), qk_norm=arch.qk_norm,
-            qkv_bias=arch.qkv_bias, rope_theta=theta, norm_eps=float(eps),
+            qkv_bias=arch.qkv_bias, rope_theta=theta, rope_scaling=rope_scaling,
+            norm_eps=float(eps),
             dtype=DTYPES[dtype_name], description=f"{arch.architecture} from {source}", **moe)
     except TypeError as e:  # a list where a number belongs, say
         raise ModelSpecError(f"{source}: {e}") from None
@@ -324,6 +368,7 @@ def hf_config(model: ModelSpec, base: dict[str, Any] | None = None) -> dict[str,
     out.pop("torch_dtype", None)          # transformers 5 writes `dtype`; two would disagree
     out.pop("rope_theta", None)
     out.pop("rope_scaling", None)
+    out.pop("original_max_position_embeddings", None)   # written inside rope_parameters
     out.update(
         architectures=[arch.architecture], model_type=arch.model_type,
         vocab_size=model.vocab_size, hidden_size=model.hidden_size,
@@ -331,7 +376,7 @@ def hf_config(model: ModelSpec, base: dict[str, Any] | None = None) -> dict[str,
         num_attention_heads=model.num_heads, num_key_value_heads=model.num_kv_heads,
         head_dim=model.head_dim, hidden_act="silu", max_position_embeddings=model.max_seq_len,
         rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
-        rope_parameters={"rope_theta": float(model.rope_theta), "rope_type": "default"},
+        rope_parameters=_rope_parameters(model),
         dtype=model.dtype)
     if arch.attention_bias_field:
         out["attention_bias"] = False
@@ -353,6 +398,24 @@ def hf_config(model: ModelSpec, base: dict[str, Any] | None = None) -> dict[str,
     if problems:
         raise ModelSpecError(f"model {model.name!r} cannot be written as {arch.architecture}: "
                              + "; ".join(problems))
+    return out
+
+
+def _rope_parameters(model: ModelSpec) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` for the model's RoPE, every derived value explicit."""
+    out: dict[str, Any] = {"rope_theta": float(model.rope_theta), "rope_type": "default"}
+    s = model.rope_scaling
+    if s is None:
+        return out
+    out.update(rope_type=s.type, factor=float(s.factor))
+    if s.type == "llama3":
+        out.update(low_freq_factor=float(s.low_freq_factor),
+                   high_freq_factor=float(s.high_freq_factor),
+                   original_max_position_embeddings=s.original_max_seq_len)
+    elif s.type == "yarn":
+        out.update(original_max_position_embeddings=s.original_max_seq_len,
+                   attention_factor=float(s.attention_factor), beta_fast=float(s.beta_fast),
+                   beta_slow=float(s.beta_slow), truncate=s.truncate)
     return out
 
 

@@ -5,15 +5,16 @@ the exact list of logical tensors (:class:`TensorSpec`), each carrying the metad
 needs to shard it Megatron-style: which dim TP splits and in what indivisible units (heads, or
 single rows), which dim stacks experts (for EP), and which layer it belongs to (for PP).
 Two families are described: ``gpt`` (GPT-2: LayerNorm with bias, GELU MLP, learned positions,
-tied embeddings) and ``llama`` (RMSNorm, SwiGLU, RoPE, optional GQA, optional MoE, optional
-QK-norm as in Qwen3).
+tied embeddings) and ``llama`` (RMSNorm, SwiGLU, RoPE, optionally scaled as :class:`RopeScaling`
+says, optional GQA, optional MoE, optional QK-norm as in Qwen3).
 
 This module is pure metadata: no torch import, so a 235B model can be described on a laptop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from math import prod
 from pathlib import Path
@@ -86,6 +87,98 @@ class ShardRule:
     expert_dim: int | None
 
 
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """How a ``llama``-family model's RoPE frequencies are stretched for contexts longer than it
+    was pretrained on: transformers' ``rope_type`` values other than ``default``, same names.
+
+    ``linear`` divides every frequency by ``factor`` (positions interpolated). ``dynamic``
+    (NTK) raises the base to ``theta * (factor * T / max_seq_len - factor + 1) ** (d / (d - 2))``
+    for a sequence of T > ``max_seq_len`` tokens, and is plain RoPE up to ``max_seq_len``.
+    ``llama3`` divides the frequencies whose wavelength exceeds ``original_max_seq_len /
+    low_freq_factor`` by ``factor``, keeps those shorter than ``original_max_seq_len /
+    high_freq_factor``, and blends in between. ``yarn`` blends interpolated and original
+    frequencies over the dims between ``beta_fast`` and ``beta_slow`` rotations in
+    ``original_max_seq_len``, and multiplies cos and sin by ``attention_factor``.
+    """
+
+    type: str
+    """One of ``linear``, ``dynamic``, ``yarn``, ``llama3``."""
+    factor: float
+    """How many times longer a context the scaled RoPE is meant for (>= 1)."""
+    original_max_seq_len: int = 0
+    """The pretraining context (transformers' ``original_max_position_embeddings``); needed by
+    ``llama3`` and ``yarn``, 0 for the others."""
+    low_freq_factor: float = 0.0
+    """``llama3`` only."""
+    high_freq_factor: float = 0.0
+    """``llama3`` only; greater than ``low_freq_factor``."""
+    beta_fast: float = 32.0
+    """``yarn`` only: rotations in ``original_max_seq_len`` above which a dim is unscaled."""
+    beta_slow: float = 1.0
+    """``yarn`` only: rotations below which a dim is fully interpolated."""
+    attention_factor: float = 0.0
+    """``yarn`` only: the factor on cos and sin; 0 means the YaRN paper's ``0.1 ln(factor) + 1``
+    (1 for ``factor`` <= 1), filled in on construction."""
+    truncate: bool = True
+    """``yarn`` only: round the blended range of dims outwards to whole dims."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if self.type not in ROPE_SCALINGS:
+            raise ModelSpecError(f"rope_scaling.type={self.type!r} is not one of "
+                                 f"{', '.join(ROPE_SCALINGS)} (no scaling: rope_scaling null)")
+        if not _number(self.factor) or self.factor < 1:
+            p.append(f"factor={self.factor!r} must be a number >= 1")
+        needs_original = self.type in ("llama3", "yarn")
+        if needs_original and not (isinstance(self.original_max_seq_len, int)
+                                   and self.original_max_seq_len >= 1):
+            p.append(f"original_max_seq_len={self.original_max_seq_len!r} must be a positive "
+                     f"integer for type={self.type!r}")
+        if not needs_original and self.original_max_seq_len:
+            p.append(f"original_max_seq_len={self.original_max_seq_len!r} is not a setting of "
+                     f"type={self.type!r} (leave it 0)")
+        if self.type == "llama3":
+            if not (_number(self.low_freq_factor) and _number(self.high_freq_factor)
+                    and 0 < self.low_freq_factor < self.high_freq_factor):
+                p.append(f"low_freq_factor={self.low_freq_factor!r} and high_freq_factor="
+                         f"{self.high_freq_factor!r} must be numbers with 0 < low < high")
+        elif self.low_freq_factor or self.high_freq_factor:
+            p.append(f"low_freq_factor/high_freq_factor are settings of type='llama3' only, "
+                     f"not {self.type!r}")
+        yarn_defaults = (32.0, 1.0, 0.0, True)
+        yarn = (self.beta_fast, self.beta_slow, self.attention_factor, self.truncate)
+        if self.type == "yarn":
+            if not (_number(self.beta_fast) and _number(self.beta_slow)
+                    and 0 < self.beta_slow <= self.beta_fast):
+                p.append(f"beta_fast={self.beta_fast!r} and beta_slow={self.beta_slow!r} must be "
+                         "numbers with 0 < beta_slow <= beta_fast")
+            if not _number(self.attention_factor) or self.attention_factor < 0:
+                p.append(f"attention_factor={self.attention_factor!r} must be a number > 0 "
+                         "(0: derived from factor)")
+            elif self.attention_factor == 0 and not p:
+                object.__setattr__(self, "attention_factor", yarn_mscale(self.factor))
+            if not isinstance(self.truncate, bool):
+                p.append(f"truncate={self.truncate!r} must be true or false")
+        elif yarn != yarn_defaults:
+            p.append("beta_fast, beta_slow, attention_factor and truncate are settings of "
+                     f"type='yarn' only, not {self.type!r}")
+        if p:
+            raise ModelSpecError(f"rope_scaling (type={self.type!r}): " + "; ".join(p))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``factor`` times longer (1 when not longer)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Hyper-parameters of a GPT- or Llama-family transformer (dense or MoE)."""
@@ -117,6 +210,9 @@ class ModelSpec:
     always have every bias."""
     rope_theta: float = 10000.0
     """RoPE base frequency (``llama`` family)."""
+    rope_scaling: RopeScaling | None = None
+    """Scaled RoPE (``llama`` family), or None for plain RoPE. A mapping of
+    :class:`RopeScaling`'s fields is accepted and converted."""
     norm_eps: float = 1e-5
     """Epsilon of every LayerNorm/RMSNorm."""
     moe_norm_topk: bool = True
@@ -162,6 +258,19 @@ class ModelSpec:
                             "every bias already); use arch='llama'")
         if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
+        if isinstance(self.rope_scaling, dict):
+            try:
+                object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            except TypeError as e:      # an unknown key, or type/factor missing
+                problems.append(f"rope_scaling={self.rope_scaling!r}: {e}; valid keys: "
+                                f"{', '.join(f.name for f in fields(RopeScaling))}")
+            except ModelSpecError as e:
+                problems.append(str(e))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            problems.append(f"rope_scaling={self.rope_scaling!r} must be a mapping or null")
+        if self.rope_scaling is not None and self.arch != "llama":
+            problems.append(f"rope_scaling is a setting of arch='llama' only (arch="
+                            f"{self.arch!r} has learned positions)")
         if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
             problems.append(f"norm_eps={self.norm_eps!r} must be a number in (0, 1)")
         if problems:
@@ -181,7 +290,10 @@ class ModelSpec:
         return sum(t.numel for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "description"}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = asdict(self.rope_scaling)
+        return out
 
 
 def model_tensors(m: ModelSpec) -> list[TensorSpec]:

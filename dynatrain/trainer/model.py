@@ -5,9 +5,15 @@ and the final norm, head and loss on the last. Weights are the rank's TP/EP-loca
 keyed by logical tensor name; column-parallel weights are split by output rows, row-parallel
 ones by input columns (see :mod:`dynatrain.vps.mapping`), and the collectives of :mod:`.tp`
 join the pieces. With tp = ep = pp = 1 this is ordinary single-device training.
+
+RoPE tables follow the spec's :class:`~dynatrain.vps.model.RopeScaling` (linear, dynamic NTK,
+YaRN, Llama 3), with the semantics of transformers' ``rope_type``s; grouped-query attention is
+SDPA's own (``enable_gqa``), without copies of the key/value heads.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +24,51 @@ from .moe import moe_forward
 from .tp import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device,
+def rope_frequencies(m: ModelSpec, seq_len: int, device) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies (head_dim/2,) in float32 for a sequence of ``seq_len`` tokens,
+    and the factor on cos and sin, as ``m.rope_scaling`` says (the semantics of transformers'
+    ``rope_type``s, see :class:`~dynatrain.vps.model.RopeScaling`)."""
+    d, theta, s = m.head_dim, m.rope_theta, m.rope_scaling
+    if s is not None and s.type == "dynamic" and seq_len > m.max_seq_len:
+        # NTK: a larger base for a longer sequence, recomputed per forward length.
+        theta = theta * (s.factor * seq_len / m.max_seq_len - (s.factor - 1)) ** (d / (d - 2))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    if s is None or s.type == "dynamic":
+        return inv_freq, 1.0
+    if s.type == "linear":                      # positions / factor, folded into the frequencies
+        return inv_freq / s.factor, 1.0
+    if s.type == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        # Long waves (> original / low_freq_factor) slowed by the factor, short ones
+        # (< original / high_freq_factor) kept, and a linear blend in ratio between.
+        blend = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        mixed = (1 - blend) * inv_freq / s.factor + blend * inv_freq
+        long = wavelen > s.original_max_seq_len / s.low_freq_factor
+        short = wavelen < s.original_max_seq_len / s.high_freq_factor
+        return torch.where(long, inv_freq / s.factor, torch.where(short, inv_freq, mixed)), 1.0
+    # yarn: pair i is interpolated by a ramp from 0 (the dims making more than beta_fast
+    # rotations over the original context: kept) to 1 (fewer than beta_slow: divided by factor).
+    def dim_at(rotations: float) -> float:     # the (fractional) dim making that many rotations
+        return d * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (
+            2 * math.log(m.rope_theta))
+    lo, hi = dim_at(s.beta_fast), dim_at(s.beta_slow)
+    if s.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001                             # a step, not a division by zero
+    ramp = ((torch.arange(d // 2, device=device).float() - lo) / (hi - lo)).clamp(0, 1)
+    return inv_freq / s.factor * ramp + inv_freq * (1 - ramp), s.attention_factor
+
+
+def rope_tables(m: ModelSpec, seq_len: int, device,
                 dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    """cos and sin (T, head_dim) of positions 0..T-1, computed in float32 then cast."""
+    inv_freq, scale = rope_frequencies(m, seq_len, device)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)                     # (T, hd)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,14 +106,15 @@ class StageModel:
             q = F.rms_norm(q, q.shape[-1:], w[f"{p}.q_norm.weight"], m.norm_eps)
             k = F.rms_norm(k, k.shape[-1:], w[f"{p}.k_norm.weight"], m.norm_eps)
         if m.arch == "llama":
-            if self._rope is None or self._rope[0].shape[0] != T:
-                self._rope = rope_tables(T, m.head_dim, m.rope_theta, h.device, h.dtype)
+            if (self._rope is None or self._rope[0].shape[0] != T
+                    or self._rope[0].dtype != h.dtype or self._rope[0].device != h.device):
+                self._rope = rope_tables(m, T, h.device, h.dtype)
             q, k = apply_rope(q, *self._rope), apply_rope(k, *self._rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))              # (B, heads, T, hd)
-        if k.shape[1] != q.shape[1]:                                  # GQA
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # GQA without copying k and v per query head: query head i reads kv head
+        # i // (q heads / kv heads), as repeat_interleave would give it.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         y = y.transpose(1, 2).reshape(B, T, -1)
         out = reduce_from_tp(F.linear(y, w[f"{p}.o.weight"]), tp)
         return out + w[f"{p}.o.bias"] if f"{p}.o.bias" in w else out
