@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 from dynatrain.cli.app import main  # noqa: E402
 from dynatrain.trainer.model import rope_tables  # noqa: E402
 from dynatrain.vps.hf import hf_config, model_from_hf_config  # noqa: E402
+from dynatrain.vps.model import ModelSpecError, RopeScaling, model_from_dict  # noqa: E402
 
 SEQ_LEN, SEQUENCES, REL = 64, 4, 1e-5
 # head_dim 16, theta 1e4: wavelengths 2*pi*1e4**(i/8) = 6.3, 20, 63, 199, ... so with an
@@ -98,6 +100,49 @@ def test_export_gives_transformers_the_same_frequencies(name):
                                         if k not in ("architectures", "model_type")})
     a, b = _rotary(original), _rotary(again)
     assert torch.equal(a.inv_freq, b.inv_freq) and a.attention_scaling == b.attention_scaling
+
+
+def test_export_of_a_transformers4_config_reads_back_the_same():
+    config = transformers.LlamaConfig(vocab_size=32, intermediate_size=32, **SHAPES,
+                                      rope_parameters=dict(LLAMA3)).to_dict()
+    legacy = _as_transformers4(config)
+    spec = model_from_hf_config(legacy)
+    out = hf_config(spec, base=legacy)
+    assert "rope_scaling" not in out and "rope_theta" not in out
+    assert out["rope_parameters"] == LLAMA3 and model_from_hf_config(out) == spec
+
+
+SPEC = dict(arch="llama", vocab_size=32, hidden_size=64, num_layers=1, num_heads=4,
+            ffn_hidden_size=32)
+
+
+def test_model_spec_takes_rope_scaling_as_a_mapping_and_derives_yarn_attention():
+    spec = model_from_dict({**SPEC, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                     "original_max_seq_len": 64}})
+    assert spec.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_seq_len=64,
+                                            attention_factor=0.1 * math.log(4.0) + 1)
+    assert model_from_dict(spec.to_dict()) == spec          # as checkpoints record it
+
+
+@pytest.mark.parametrize("scaling, fragment", [
+    ({"type": "longrope", "factor": 2.0}, "rope_scaling.type='longrope' is not one of"),
+    ({"type": "linear", "factor": 0.5}, "factor=0.5 must be a number >= 1"),
+    ({"type": "llama3", "factor": 8.0, "original_max_seq_len": 64},
+     "low_freq_factor=0.0 and high_freq_factor=0.0 must be"),
+    ({"type": "yarn", "factor": 4.0}, "original_max_seq_len=0 must be a positive integer"),
+    ({"type": "linear", "factor": 2.0, "beta_fast": 8.0}, "settings of type='yarn' only"),
+    ({"type": "linear", "factor": 2.0, "scale": 2}, "unexpected keyword argument 'scale'"),
+    ("yarn", "must be a mapping or null"),
+])
+def test_bad_rope_scaling_is_named(scaling, fragment):
+    with pytest.raises(ModelSpecError, match=re.escape(fragment)):
+        model_from_dict({**SPEC, "rope_scaling": scaling})
+
+
+def test_rope_scaling_is_refused_for_gpt():
+    with pytest.raises(ModelSpecError, match="rope_scaling is a setting of arch='llama' only"):
+        model_from_dict({**SPEC, "arch": "gpt", "rope_scaling": {"type": "linear",
+                                                                 "factor": 2.0}})
 
 
 # -- dynatrain eval against transformers' loss ------------------------------------------------
