@@ -403,3 +403,36 @@ def test_manifest_data_problems_name_the_field(data, needle):
     with pytest.raises(JobError) as e:
         job_from_manifest(_manifest(data))
     assert needle in str(e.value)
+
+
+def test_packed_conversations_attend_to_earlier_ones_as_documented(tmp_path):
+    """sft.py says: the loss never crosses conversations, attention does (no block mask). Two
+    windows hold a different first conversation of the same length, then the same second
+    one at the same positions; counting only the second's targets, the losses differ, which
+    only attention across the boundary can cause."""
+    from reference_model import ReferenceLM
+
+    from dynatrain.trainer.weights import initial_tensor
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    first = CHAT[:2]
+    other = [{"role": "user", "content": "a node leaves"},
+             {"role": "assistant", "content": "the wind turns"}]
+    second = [{"role": "user", "content": "a node"}, {"role": "assistant", "content": "leaves"}]
+    config = make_config("gpt-tiny", "dp=1")
+    model = ReferenceLM(config.model)
+    specs = {t.name: t for t in config.model.tensors}
+    with torch.no_grad():
+        for name, p in model.named_logical().items():
+            p.copy_(initial_tensor(config.model, specs[name], 0))
+    losses = []
+    for lead in (first, other):
+        src = SFTWindows(sft_file(tmp_path / f"c{len(losses)}.jsonl", [lead, second]), str(tok),
+                         16, 2048)
+        assert src.windows == 1                           # 10 + 7 tokens: one window
+        (inputs, targets), = micro_batches(src, 0, 1, 1, 0, 1)
+        targets[0][:9] = IGNORE_INDEX                     # only the second conversation's
+        assert (targets[0][9:] != IGNORE_INDEX).sum() == 2     # "leaves", "<|end|>"
+        with torch.no_grad():
+            losses.append(float(model(inputs, targets)))
+    assert abs(losses[0] - losses[1]) > 1e-4, losses
