@@ -163,6 +163,11 @@ def _rope(config: dict, get) -> tuple[float, RopeScaling | None, list[str]]:
         problems.append(f"{where}={params!r} must be a mapping")
         params = None
     params = params or {}
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if nested:       # per layer type (Gemma-style): one RoPE for every layer is all we compute
+        problems.append(f"{where} nested by layer type ({', '.join(nested)}) is not supported "
+                        "(one RoPE for every layer)")
+        return 10000.0, None, problems
     rope_type = params.get("rope_type", params.get("type", "default"))
     for key, value in (("partial_rotary_factor", config.get("partial_rotary_factor")),
                        (f"{where}.partial_rotary_factor", params.get("partial_rotary_factor"))):

@@ -163,6 +163,8 @@ REFUSED = [
     ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
      "rope_parameters.rope_type"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("llama", {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+     "nested by layer type"),
     ("llama", {"rope_scaling": {"type": "yarn", "factor": 4.0, "attention_factor": 0}},
      "attention_factor"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
