@@ -89,7 +89,7 @@ def run_train(args) -> int:
                          lr=args.lr, data=args.data, data_dtype=args.data_dtype,
                          tokenizer=args.tokenizer, lr_schedule=schedule,
                          total_steps=args.steps, grad_clip=args.grad_clip)
-    from dynatrain.trainer.textdata import prepare_and_check
+    from dynatrain.trainer.sources import prepare_and_check
 
     prepare_and_check(config, config.model.vocab_size, say=None if args.json else print)
     from dynatrain.trainer.launch import run_local  # torch is imported only from here on

@@ -203,7 +203,7 @@ class LocalRunner:
         """A text corpus is tokenised here, once, before any worker starts: the workers (and
         the ones that join later) then only map the cached token file. Token ids are checked
         against the model's vocabulary here too, so a mismatch stops the job before it starts."""
-        from dynatrain.trainer.textdata import prepare_and_check
+        from dynatrain.trainer.sources import prepare_and_check
 
         prepare_and_check(self.job.training, self.job.model.vocab_size, say=self._say)
 

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from .config import TOKEN_DTYPES, DataSource
-from .textdata import DataError, check_tokens, prepare_data, prepare_source
+from .sources import prepare_source
+from .textdata import DataError, check_tokens, prepare_data
 from .tp import IGNORE_INDEX
 
 __all__ = ["SyntheticTokens", "FileTokens", "Permutation", "Shuffled", "BlendSchedule", "Blend",
@@ -251,7 +252,7 @@ def token_source(config):
     """The sample stream of a :class:`~dynatrain.trainer.config.TrainConfig`: its one source,
     or the blend of its sources, each shuffled when ``config.shuffle``. Text, tables and SFT
     conversations are prepared here if no process did it before (see
-    :func:`~dynatrain.trainer.textdata.prepare_source`)."""
+    :func:`~dynatrain.trainer.sources.prepare_source`)."""
     sources = config.sources
     if len(sources) == 1:
         return _one_source(sources[0], config, salt=0)

@@ -109,59 +109,6 @@ def prepare_data(config: DataOptions) -> tuple[str, str]:
     return str(p.path), p.dtype
 
 
-def prepare_source(source: DataSource, options: DataOptions) -> tuple[str, str, str]:
-    """(format, path, dtype) that training reads for one source: a token file as it is, a
-    text corpus's or a table's cached token file (made now unless a valid cache exists), or an
-    SFT file itself (rendered in each process, :mod:`.sft`)."""
-    kind, p = _prepare(source, options)
-    return (kind, str(p.path), p.dtype) if p else (kind, source.path, options.data_dtype)
-
-
-def _prepare(source: DataSource, options: DataOptions) -> tuple[str, Prepared | None]:
-    kind = source.kind
-    if kind == "text":
-        return kind, prepare_text(source.path, options.tokenizer, options.data_dtype)
-    if kind == "table":
-        from .tables import prepare_table
-
-        return kind, prepare_table(source.path, options.tokenizer, options.data_dtype)
-    if kind in ("tokens", "sft", "synthetic"):
-        return kind, None
-    raise DataError(f"data format {kind!r} of {source.path!r} is not one of tokens, text, "
-                    "table, sft")
-
-
-def prepare_and_check(options: DataOptions, vocab_size: int, say=None) -> None:
-    """Before any rank or worker process starts: tokenise text corpora and tables once (each
-    process then only finds the cache), render SFT conversations once as a check, and check
-    the token ids against the model's vocabulary, so a mismatch is one line now rather than a
-    traceback from every process. ``say(line)`` hears what was done."""
-    for source in options.sources:
-        kind, prepared = _prepare(source, options)
-        path, dtype = (prepared.path, prepared.dtype) if prepared else (source.path,
-                                                                         options.data_dtype)
-        if kind == "synthetic":
-            continue
-        if kind == "sft":
-            from .sft import conversations
-
-            convs = conversations(path, options.tokenizer)
-            top = max((int(ids.max()) for ids, _ in convs if len(ids)), default=0)
-            if top >= vocab_size:
-                raise DataError(f"SFT data {path!r} rendered with {options.tokenizer} holds "
-                                f"token id {top}, outside the model's vocabulary of "
-                                f"{vocab_size:,}: is that the model's own tokenizer?")
-            if say:
-                say(f"data: {path}: {len(convs):,} conversations (SFT, rendered with the chat "
-                    f"template of {options.tokenizer})")
-            continue
-        what = f"{source.path} with {options.tokenizer}" if options.tokenizer else ""
-        if say and prepared:
-            say(f"data: {source.path} -> {prepared.path} ({prepared.tokens:,} {prepared.dtype} "
-                f"tokens, {'cached' if prepared.cached else 'tokenised now'})")
-        check_tokens(path, dtype, vocab_size, source=what if kind != "tokens" else "")
-
-
 def check_tokens(path: str | Path, dtype: str, vocab_size: int, *, source: str = "") -> None:
     """Every id of a token file is below ``vocab_size``, or a DataError naming the first that is
     not, where it is, and (``source``: the text and tokenizer it came from) what to check."""
