@@ -61,7 +61,7 @@ def warm_up() -> None:
     devices call this while they wait.
     """
     w = torch.zeros(4, requires_grad=True)
-    opt = torch.optim.AdamW([w], lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW([w], lr=1e-3, foreach=True)     # as make_optimizer
     (w * 2).sum().backward()
     opt.step()
 
