@@ -52,7 +52,8 @@ def prometheus():
 def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     sd = prometheus.workdir / "targets.json"
     started = time.time()
-    elastic = _run(tmp_path, "elastic", "--scenario", str(SCENARIO), "--prometheus-sd", str(sd))
+    elastic = _run(tmp_path, "elastic", "--scenario", str(SCENARIO), "--prometheus-sd", str(sd),
+                   "--report", str(tmp_path / "report"))
     steps = elastic["steps"]
     assert steps == 80
     reasons = [s["reason"] for s in elastic["switches"]]
@@ -94,6 +95,10 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
         'max_over_time(up{role="worker"}[10m]) == 1')}
     assert len(workers_seen) >= 4
 
+    # The picture of the run, its path the last thing said (its content: test_report.py).
+    png = tmp_path / "report" / "quickstart-run.png"
+    assert elastic["stdout"].rstrip().splitlines()[-1].strip() == f"report: {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000
     _check_loss_series(prometheus, elastic)
     _check_tensorboard(tmp_path / "elastic" / "tensorboard", elastic)
     _check_step_lines(tmp_path / "elastic", elastic)
