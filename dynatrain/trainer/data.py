@@ -166,7 +166,7 @@ class Shuffled:
         return Permutation(self.windows, _mix(self.key ^ epoch))(i)   # (6 hashes to build)
 
     def example(self, index: int):
-        return _example(self.source, self.window_of(index))
+        return example(self.source, self.window_of(index))
 
 
 class BlendSchedule:
@@ -218,10 +218,10 @@ class Blend:
 
     def example(self, index: int):
         s, k = self.schedule(index)
-        return _example(self.sources[s], k)
+        return example(self.sources[s], k)
 
 
-def _example(source, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def example(source, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens (T+1,), loss mask over the T targets or None for all) of sample ``index``."""
     if hasattr(source, "example"):
         return source.example(index)
@@ -268,7 +268,7 @@ def micro_batches(source, position: int, global_batch: int, dp: int, dp_index: i
     first = position + dp_index * per_rank
     out = []
     for m in range(per_rank // micro_batch):
-        rows = [_example(source, first + m * micro_batch + i) for i in range(micro_batch)]
+        rows = [example(source, first + m * micro_batch + i) for i in range(micro_batch)]
         batch = torch.stack([tokens for tokens, _ in rows])     # (mb, T+1)
         targets = batch[:, 1:].clone()
         for row, (_, keep) in enumerate(rows):

@@ -29,10 +29,11 @@ from dynatrain.vps.abandon import wait
 from dynatrain.vps.layout import bind, parse_layout
 
 from .config import ConfigError, TrainConfig, make_config
-from .data import token_source
+from .data import example, token_source
 from .groups import build_groups
 from .launch import DEFAULT_TIMEOUT_S, pick_backend, run_ranks
 from .textdata import is_text
+from .tp import IGNORE_INDEX
 from .trainer import Trainer
 
 
@@ -43,10 +44,11 @@ class EvalResult:
     world: int
     backend: str
     loss: float
-    """Mean cross-entropy (nats) over every predicted token of the ``sequences`` samples."""
+    """Mean cross-entropy (nats) over every predicted token of the ``sequences`` samples that
+    training would learn from (SFT data: the assistant's tokens only)."""
     sequences: int
     tokens: int
-    """Predicted tokens counted: ``sequences * seq_len``."""
+    """Predicted tokens counted: ``sequences * seq_len``, less the masked ones (SFT)."""
     seconds: float
     """The forward passes on rank 0, without process start-up and weight loading."""
 
@@ -119,7 +121,7 @@ def evaluate(trainer: Trainer, sequences: int) -> tuple[float, int]:
         trainer._gather_zero3()              # ZeRO-3 keeps only flat shards at rest
     w = trainer.working
     total = torch.zeros((), dtype=torch.float64, device=device)
-    counted = 0
+    counted = rows_counted = 0
     try:
         for m in range(rounds):
             first = share.start + m * mb
@@ -127,10 +129,18 @@ def evaluate(trainer: Trainer, sequences: int) -> tuple[float, int]:
             inputs = targets = None
             if g.first_stage or g.last_stage:
                 # Padding rows are token 0 (in every vocabulary); their losses are not counted.
-                rows = [trainer.source.sample(first + r) if r < valid
-                        else torch.zeros(seq_len + 1, dtype=torch.long) for r in range(mb)]
-                batch = torch.stack(rows).to(device)                 # (mb, T+1)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
+                # Masked targets (SFT: all but the assistant's tokens) are not either, as in
+                # training: the loss gives them 0 and the count leaves them out.
+                rows = [example(trainer.source, first + r) if r < valid
+                        else (torch.zeros(seq_len + 1, dtype=torch.long), None)
+                        for r in range(mb)]
+                batch = torch.stack([tokens for tokens, _ in rows])   # (mb, T+1)
+                targets = batch[:, 1:].clone()
+                for row, (_, keep) in enumerate(rows):
+                    if keep is not None:
+                        targets[row][~keep] = IGNORE_INDEX
+                batch, targets = batch.to(device), targets.to(device)
+                inputs = batch[:, :-1]
             if g.first_stage:
                 x = stage.embed(inputs, w)
             else:
@@ -141,22 +151,25 @@ def evaluate(trainer: Trainer, sequences: int) -> tuple[float, int]:
             if g.last_stage:
                 losses = stage.loss(y, targets, w, reduction="none").view(mb, seq_len)
                 total += losses[:valid].double().sum()
-                counted += valid * seq_len
+                counted += int((targets[:valid] != IGNORE_INDEX).sum())
+                rows_counted += valid
             else:
                 wait(g.pp.send([y.contiguous()], g.pp_index + 1, 0))
     finally:
         if gathered:
             trainer.working = {}
     # One rank per (dp, tp) position's last stage speaks for it: TP ranks hold the same loss.
-    report = torch.zeros(2, dtype=torch.float64, device=device)
+    report = torch.zeros(3, dtype=torch.float64, device=device)
     if g.last_stage and g.tp_index == 0:
-        report[0], report[1] = total, counted
+        report[0], report[1], report[2] = total, counted, rows_counted
     if g.world is not None:
         wait(dist.all_reduce(report, group=g.world, async_op=True))
-    tokens = int(report[1])
-    if tokens != sequences * seq_len:        # every sample counted once, whatever the layout
-        raise RuntimeError(f"evaluation counted {tokens} tokens, expected {sequences} x "
-                           f"{seq_len}")
+    tokens, samples = int(report[1]), int(report[2])
+    if samples != sequences:                 # every sample counted once, whatever the layout
+        raise RuntimeError(f"evaluation counted {samples} sequences, expected {sequences}")
+    if tokens == 0:
+        raise ConfigError(f"evaluation of {sequences} sequences found no target to score: "
+                          "every one is masked (SFT data without assistant tokens?)")
     return float(report[0]) / tokens, tokens
 
 

@@ -436,3 +436,29 @@ def test_packed_conversations_attend_to_earlier_ones_as_documented(tmp_path):
         with torch.no_grad():
             losses.append(float(model(inputs, targets)))
     assert abs(losses[0] - losses[1]) > 1e-4, losses
+
+
+def test_eval_of_sft_data_scores_only_the_assistant_tokens(tmp_path):
+    """`dynatrain eval` on SFT data is the mean over the trained (assistant) targets of the
+    sequences, as the reference's F.cross_entropy(ignore_index=-100) over the same batch, under
+    any layout: masked targets are neither scored nor counted."""
+    from reference_model import ReferenceLM
+
+    from dynatrain.trainer.evaluate import run_eval
+    from dynatrain.trainer.weights import initial_tensor
+
+    config = sft_config(tmp_path, "dp=1")
+    model = ReferenceLM(config.model)
+    specs = {t.name: t for t in config.model.tensors}
+    with torch.no_grad():
+        for name, p in model.named_logical().items():
+            p.copy_(initial_tensor(config.model, specs[name], config.seed))
+    (inputs, targets), = micro_batches(token_source(config), 0, 4, 1, 0, 4)
+    with torch.no_grad():
+        ref = float(model(inputs, targets))
+    trained = int((targets != IGNORE_INDEX).sum())
+    assert 0 < trained < targets.numel()
+    for layout in ("dp=1", "tp=2"):
+        got = run_eval(sft_config(tmp_path, layout), 4, backend="gloo")
+        assert got.tokens == trained, (layout, got.tokens, trained)
+        assert abs(got.loss - ref) < 1e-5 * abs(ref), (layout, got.loss, ref)
