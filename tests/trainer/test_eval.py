@@ -77,19 +77,26 @@ def _hf_models():
     }
 
 
+def save_random_model(make, seed: int, root):
+    """A tiny random transformers model (``make()``), its norms away from 1 so that they
+    matter, saved to ``root/ckpt`` in fp32; returns the model."""
+    torch.manual_seed(seed)
+    model = make().float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(root / "ckpt")
+    return model
+
+
 @pytest.fixture(scope="module")
 def hf_checkpoints(tmp_path_factory):
     """name -> (checkpoint dir, token file, transformers' mean loss over the windows)."""
     out = {}
     for seed, (name, make) in enumerate(_hf_models().items()):
-        torch.manual_seed(seed)
-        model = make().float().eval()
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
-                    p.uniform_(0.5, 1.5)
         root = tmp_path_factory.mktemp(name)
-        model.save_pretrained(root / "ckpt")
+        model = save_random_model(make, seed, root)
         vocab = model.config.vocab_size
         tokens = _tokens(root / "tokens.bin", vocab, SEQUENCES * SEQ_LEN + 1 + 7, seed)
         windows = torch.from_numpy(np.stack(

@@ -31,6 +31,7 @@ from dynatrain.cli.app import main  # noqa: E402
 from dynatrain.trainer.model import rope_tables  # noqa: E402
 from dynatrain.vps.hf import hf_config, model_from_hf_config  # noqa: E402
 from dynatrain.vps.model import ModelSpecError, RopeScaling, model_from_dict  # noqa: E402
+from test_eval import save_random_model  # noqa: E402
 
 SEQ_LEN, SEQUENCES, REL = 64, 4, 1e-5
 # head_dim 16, theta 1e4: wavelengths 2*pi*1e4**(i/8) = 6.3, 20, 63, 199, ... so with an
@@ -188,14 +189,8 @@ def checkpoints(tmp_path_factory):
     """name -> (checkpoint dir, token file, transformers' loss, its loss with plain RoPE)."""
     out = {}
     for seed, (name, (make, rewrite)) in enumerate(MODELS.items()):
-        torch.manual_seed(seed)
-        model = make().float().eval()
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
-                    p.uniform_(0.5, 1.5)
         root = tmp_path_factory.mktemp(name)
-        model.save_pretrained(root / "ckpt")
+        model = save_random_model(make, seed, root)
         if rewrite:
             path = root / "ckpt" / "config.json"
             path.write_text(json.dumps(rewrite(json.loads(path.read_text()))))
