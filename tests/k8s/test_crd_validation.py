@@ -137,6 +137,11 @@ INVALID = [
          "spec.parallelism.layout", True),
     Case("layout-stages-vs-pp", setting("spec.parallelism.layout", "dp=2,pp=2,stages=8+8+8"),
          "spec.parallelism.layout", True),
+    Case("layout-schedule-unknown", setting("spec.parallelism.layout", "dp=2,pp=2,schedule=zb"),
+         "spec.parallelism.layout", True),
+    Case("layout-schedule-twice",
+         setting("spec.parallelism.layout", "dp=2,pp=2,schedule=1f1b,schedule=gpipe"),
+         "spec.parallelism.layout", True),
     Case("limits-with-fixed", setting("spec.parallelism.mode", "fixed"),
          "spec.parallelism.limits", False),
     Case("limits-maxtp-zero", setting("spec.parallelism.limits.maxTP", 0),
@@ -247,6 +252,8 @@ VALID = {
     "fixed-layout": lambda d: d["spec"].__setitem__(
         "parallelism", {"mode": "fixed",
                         "layout": "dp=2,tp=2,pp=2,zero=1,stages=12+12,order=tp-dp-pp"}),
+    "fixed-layout-1f1b": lambda d: d["spec"].__setitem__(
+        "parallelism", {"mode": "fixed", "layout": "dp=2,tp=2,pp=2,schedule=1f1b"}),
     "minimal": lambda d: d.__setitem__("spec", {
         "image": "dynatrain:0.1.0", "model": {"preset": "gpt-tiny"}, "resources": {"gpus": 0},
         "elastic": {"minWorkers": 1, "maxWorkers": 1}}),
