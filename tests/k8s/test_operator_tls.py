@@ -248,8 +248,10 @@ def test_mutual_tls_trusted_pods_and_rotation(devcluster, kubectl, namespace, op
     assert "/etc/dynatrain/step-00000001" in answers["checkpoint-outside-root"]["details"]
     # Over TLS 1.3 the client learns only that the server closed the connection; the agent's
     # log says why: the handshake failed, for want of a certificate / of a known issuer.
-    agent_log = pods.log(namespace, worker.metadata.name)
-    assert agent_log.count("Handshake failed") >= handshakes_before + 2
+    # (The worker's output reaches its log through the runner's pipe reader: wait for it.)
+    agent_log = wait("the agent's log of the failed handshakes", lambda: (
+        lambda text: text if text.count("Handshake failed") >= handshakes_before + 2
+        else None)(pods.log(namespace, worker.metadata.name)), timeout=10)
     assert "PEER_DID_NOT_RETURN_A_CERTIFICATE" in agent_log
     assert "CERTIFICATE_VERIFY_FAILED" in agent_log
 
@@ -274,6 +276,10 @@ def test_mutual_tls_trusted_pods_and_rotation(devcluster, kubectl, namespace, op
     with agent_client(core, namespace, "tls", impostor) as c:
         with pytest.raises(Exception):
             c.status()
+    # The pod's output reaches its log through the runner's pipe reader, as a container
+    # runtime's does: a moment after the call.
+    wait("the impostor's record of the call", lambda: _lines(pods, namespace, "tls-worker-99"),
+         timeout=10)
     assert [r["method"] for r in _lines(pods, namespace, "tls-worker-99")] == [
         "/dynatrain.agent.v1.Agent/Status"]
     assert "did not create it" in op.logs()
