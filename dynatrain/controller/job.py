@@ -209,6 +209,13 @@ class _Reader:
             return {}
         return value
 
+    def bool(self, parent: dict, key: str, path: str, default: bool) -> bool:
+        value = parent.get(key, default)
+        if not isinstance(value, bool):
+            self.problems.append(f"{path}.{key}={value!r} must be true or false")
+            return default
+        return value
+
     def int(self, parent: dict, key: str, path: str, default=None, *, minimum: int | None = None,
             maximum: int | None = None, required: bool = False):
         value = parent.get(key, default)
@@ -329,11 +336,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     if model is not None and precision:
         model = replace(model, dtype=PRECISIONS[precision])
     data = _data(r, tr)
-    checkpointing = tr.get("activationCheckpointing", False)
-    if not isinstance(checkpointing, bool):
-        r.problems.append(f"spec.training.activationCheckpointing={checkpointing!r} must be "
-                          "true or false")
-        checkpointing = False
+    checkpointing = r.bool(tr, "activationCheckpointing", "spec.training", False)
     training = Training(
         steps=r.int(tr, "steps", "spec.training", 100, minimum=1) or 100,
         seq_len=r.int(tr, "seqLen", "spec.training", 0, minimum=0) or 0,
@@ -388,10 +391,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                  if output else 10)
 
     rec = r.obj(spec, "recovery", "spec")
-    mirror = rec.get("mirror", True)
-    if not isinstance(mirror, bool):
-        r.problems.append(f"spec.recovery.mirror={mirror!r} must be true or false")
-        mirror = True
+    mirror = r.bool(rec, "mirror", "spec.recovery", True)
     ck = r.obj(spec, "checkpoint", "spec")
     r.str(ck, "claimName", "spec.checkpoint")          # the cluster's volume; checked only
     ck_path = _checkpoint_path(r, ck) if ck else ""
@@ -515,11 +515,7 @@ def _data(r: _Reader, tr: dict) -> dict:
                or "uint16",
                tokenizer=(r.str(value, "tokenizer", at, "") if "tokenizer" in value else "")
                or "")
-    shuffle = value.get("shuffle", False)
-    if not isinstance(shuffle, bool):
-        r.problems.append(f"{at}.shuffle={shuffle!r} must be true or false")
-        shuffle = False
-    out["shuffle"] = shuffle
+    out["shuffle"] = r.bool(value, "shuffle", at, False)
     if "seed" in value:
         out["shuffle_seed"] = r.int(value, "seed", at, 0, minimum=0)
     fmt = r.str(value, "format", at, "auto", choices=DATA_FORMATS) or "auto"
