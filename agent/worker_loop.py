@@ -10,7 +10,6 @@ snapshot (and mirrors it to the buddy) and, when due, a checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
 import time
@@ -363,7 +362,7 @@ class Worker(WorkerControl):
         if owner:
             self.training_log.step(step=r.step, loss=r.loss, learning_rate=r.lr,
                                    grad_norm=r.grad_norm, tokens_per_second=r.tokens_per_second,
-                                   mfu=mfu if math.isfinite(mfu) else float("nan"),
+                                   mfu=mfu,
                                    layout=self.layout.to_text(), phases=phases,
                                    seconds=r.seconds)
 
