@@ -975,8 +975,9 @@ class JobRuntime:
         # partial: audit from the step after it. A job this operator started has every record.
         first = min(known) if known else p.step + 1
         since = first if self.took_over else first - 1
-        problems = p.audit(self.job.global_batch_size, p.step, since=since)
-        self.data_audit = {"auditedFrom": since + 1, "auditedStep": p.step,
+        last = self.controller.reported_step()
+        problems = p.audit(self.job.global_batch_size, last, since=since)
+        self.data_audit = {"auditedFrom": since + 1, "auditedStep": last,
                            "exactlyOnce": not problems, "retrainedSteps": p.retrained,
                            "problems": problems[:3]}
         self.audited_at = now

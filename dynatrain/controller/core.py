@@ -253,6 +253,13 @@ class JobController:
     def members(self) -> list[int]:
         return list(self.layout.device_of) if self.layout else []
 
+    def reported_step(self) -> int:
+        """The last step every live member has reported, its reads included. Members finish a
+        step together but their records arrive one Status call apart, so a step after this one
+        may still lack a reader's record: an audit stops here rather than call it unread."""
+        live = [self._seen.get(d, 0) for d in self.members if d not in self.failed]
+        return min([self.progress.step] + live)
+
     def _report_workers(self) -> None:
         self.metrics.set_workers(len(self.usable))
 
@@ -781,6 +788,8 @@ class JobController:
         self.previous_devices = tuple(old.device_of) if old is not None else ()
         self.layout = new
         self.generation_running = record.generation
+        for d in new.device_of:          # a newcomer's first record is of the step after this
+            self._seen.setdefault(d, record.step)
         self._last_step_at = time.monotonic()
         req = self.pending_request()
         if req is not None and req.layout.to_text() == new.to_text():

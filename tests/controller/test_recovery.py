@@ -149,3 +149,42 @@ def test_the_data_audit_names_the_step_and_samples():
                               "step 3: samples [30, 36) never read"]
     p.first_step = 3                               # a checkpoint's steps are not this run's
     assert p.audit(12, 3) == []
+
+
+def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
+    # Found by CI (kubectl scale 2 -> 4): the members finish a step together, but their
+    # records arrive one Status call apart. Reader 1's record of step 20 was not in yet when
+    # the others' were, and status.data said its samples were never read. The audit stops at
+    # the last step every live member has reported; a newcomer counts from its switch's step.
+    from types import SimpleNamespace
+
+    from dynatrain.controller.core import JobController
+    from dynatrain.controller.hardware import PROFILES
+    from dynatrain.controller.job import load_job
+    from dynatrain.vps.layout import parse_layout
+
+    job = load_job(_job(tmp_path, "dp=4"))
+    gbs, per_rank = job.global_batch_size, job.global_batch_size // 4
+    ctl = JobController(job, rendezvous="127.0.0.1:1", profile=PROFILES["cpu"])
+    ctl.layout = parse_layout("dp=4").with_devices((0, 1, 2, 3))
+
+    def report(device, steps):
+        recs = [SimpleNamespace(step=k, loss=1.0, seconds=0.1, tokens_per_second=1.0,
+                                generation=1, end_time=0.0,
+                                sample_begin=(k - 1) * gbs + device * per_rank,
+                                sample_end=(k - 1) * gbs + (device + 1) * per_rank)
+                for k in steps]
+        ctl._ingest(device, SimpleNamespace(steps=recs))
+
+    for d in (0, 2, 3):
+        report(d, range(1, 21))
+    report(1, range(1, 20))                       # step 20's record not in yet
+    assert ctl.progress.step == 20 and ctl.reported_step() == 19
+    assert ctl.progress.audit(gbs, ctl.reported_step()) == []
+    assert ctl.progress.audit(gbs, 20) == [f"step 20: samples [{19 * gbs + per_rank}, "
+                                           f"{19 * gbs + 2 * per_rank}) never read"]
+    report(1, [20])
+    assert ctl.reported_step() == 20 and ctl.progress.audit(gbs, 20) == []
+    ctl.failed.add(2)                             # a failed member no longer holds it back
+    report(0, [21]), report(1, [21]), report(3, [21])
+    assert ctl.reported_step() == 21

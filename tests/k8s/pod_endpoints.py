@@ -147,7 +147,11 @@ def check_pod_endpoints(kubectl: list[str], core, namespace: str, name: str, *,
     assert "first run" not in current and current.count("second run: to stderr\n") == 1, current
     numbers = _numbers(current)
     assert numbers == list(range(len(numbers))) and len(numbers) >= 4, current
-    # --tail with --timestamps: the last two lines, each with the time it was written.
+    # --tail with --timestamps: the last two lines, each with the time it was written (once
+    # two numbered lines follow the stderr line: in a CI run the tail was that line and line 3).
+    wait_until("two numbered lines after the stderr line",
+               lambda: len(_numbers(run("logs", name).stdout)) >= 6,
+               timeout=datetime.timedelta(seconds=30))
     tail = run("logs", name, "--tail=2", "--timestamps").stdout.splitlines()
     assert len(tail) == 2 and all(re.fullmatch(
         r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z second run: line \d+", t) for t in tail), tail
