@@ -14,9 +14,10 @@ a device id names one process for the job's whole life. Every object is owned th
 UID: an object of a deleted job of the same name is recognised as another job's, never adopted.
 
 Health: a worker pod that failed, exited, or whose container cannot start (crash loop, image
-pull back-off, bad config) is *unhealthy*; the runtime replaces it. Capacity: GPU jobs count
-free ``nvidia.com/gpu``; CPU jobs count free CPU and memory (allocatable minus every pod's
-requests), so a CPU job cannot flood a cluster with pods.
+pull back-off, bad config) is *unhealthy*; the runtime replaces it. Capacity is the scheduler's
+to decide: the operator creates the pods a job could use and never counts allocatable itself
+(it would ignore taints, selectors, affinity and priorities); a pod the scheduler cannot place
+carries its reason (:func:`unschedulable`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,20 @@ SCRATCH_HOME = "/home/dynatrain"
 read-only): ``$TMPDIR`` and ``$HOME`` (the image's home directory, so its own files are
 shadowed by an empty one: it holds nothing the worker needs)."""
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
-                "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+                "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"},
+                # Re-own a volume only when its root is not already the group's: a large
+                # dataset or checkpoint claim is not walked at every mount.
+                "fsGroupChangePolicy": "OnRootMismatch"}
+SHM_DIR = "/dev/shm"
+"""A memory-backed emptyDir: a container runtime's own /dev/shm is 64 MiB, too small for NCCL's
+shared-memory transport and for data loader workers."""
+TEMPLATE_POD_FIELDS = ("nodeSelector", "affinity", "tolerations", "priorityClassName",
+                       "schedulerName", "runtimeClassName", "serviceAccountName",
+                       "automountServiceAccountToken", "imagePullSecrets",
+                       "topologySpreadConstraints")
+"""What ``spec.template.spec`` may set on the worker pod as it is; its ``volumes`` are added to
+the operator's, and its worker container's ``env``, ``envFrom``, ``volumeMounts`` and extra
+``resources`` to the worker's. The CRD refuses the rest, saying why."""
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                       "readOnlyRootFilesystem": True, "runAsNonRoot": True}
 """What the ``restricted`` Pod Security Standard asks, and a read-only root file system."""
@@ -103,6 +117,9 @@ class WorkerPod:
     """Why the pod will never serve (failed, exited, cannot start its container); "" if
     it may still."""
     uid: str = ""
+    unschedulable: str = ""
+    """The scheduler's message while it cannot place the pod (``PodScheduled=False``,
+    reason ``Unschedulable``): why the job's demand is unmet."""
     """The pod's UID: the operator trusts only pods whose UID it got from its own create
     call (``status.workerUIDs``)."""
 
@@ -201,73 +218,23 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
     return WorkerPod(meta.name, int(meta.labels[DEVICE_LABEL]), pod.spec.node_name,
                      pod.status.pod_ip if pod.status else None,
                      (pod.status.phase if pod.status else None) or "Pending", doomed, deadline,
-                     why, pod_gpus(pod), unhealthy, meta.uid or "")
+                     why, pod_gpus(pod), unhealthy, meta.uid or "", unschedulable(pod))
 
 
-@dataclass(frozen=True)
-class WorkerShape:
-    """What one worker pod takes from a node."""
-
-    gpus: int
-    cpu: float
-    memory: int
-
-    @classmethod
-    def of(cls, spec: dict, defaults: tuple[str, str] = (DEFAULT_WORKER_CPU,
-                                                         DEFAULT_WORKER_MEMORY)):
-        cpu, memory = worker_resources(spec, defaults)
-        return cls(int(spec.get("resources", {}).get("gpus") or 0),
-                   float(parse_quantity(cpu)), int(parse_quantity(memory)))
+def unschedulable(pod) -> str:
+    """The scheduler's own reason a pod waits ("0/5 nodes are available: 3 Insufficient
+    nvidia.com/gpu, 2 node(s) had untolerated taint ..."), or "" once it is placed."""
+    if pod.spec.node_name or not pod.status:
+        return ""
+    for c in pod.status.conditions or []:
+        if c.type == "PodScheduled" and c.status == "False":
+            return c.message or c.reason or "not scheduled"
+    return ""
 
 
 def worker_resources(spec: dict, defaults: tuple[str, str]) -> tuple[str, str]:
     res = spec.get("resources", {})
     return (str(res.get("cpu") or defaults[0]), str(res.get("memory") or defaults[1]))
-
-
-def free_slots(nodes: dict[str, NodeInfo], all_pods, shape: WorkerShape) -> int:
-    """Workers that could still be placed on healthy nodes: each node's allocatable GPUs,
-    CPU and memory minus the requests of every pod on it, divided by one worker's."""
-    used: dict[str, list] = {}
-    for p in all_pods:
-        if p.spec.node_name and (p.status is None or p.status.phase not in ("Succeeded",
-                                                                             "Failed")):
-            u = used.setdefault(p.spec.node_name, [0, 0.0, 0])
-            cpu, memory = pod_requests(p)
-            u[0] += pod_gpus(p)
-            u[1] += cpu
-            u[2] += memory
-    total = 0
-    for n in nodes.values():
-        if not n.ready or n.doomed:
-            continue
-        g, c, m = used.get(n.name, (0, 0.0, 0))
-        fits = []
-        if shape.gpus > 0:
-            fits.append(max(0, n.gpus - g) // shape.gpus)
-        if shape.cpu > 0:
-            fits.append(int(max(0.0, n.cpu - c) / shape.cpu + 1e-9))
-        if shape.memory > 0:
-            fits.append(max(0, n.memory - m) // shape.memory)
-        total += min(fits) if fits else 0
-    return total
-
-
-def no_node_fits(nodes: dict[str, NodeInfo], shape: WorkerShape) -> str:
-    """"" if some Ready node could ever hold one worker (empty); else which resource no node
-    has enough of, naming the field to change."""
-    ready = [n for n in nodes.values() if n.ready]
-    if not ready:
-        return "no node is Ready"
-    for field, need, have, unit in (
-            ("spec.resources.gpus", shape.gpus, lambda n: n.gpus, GPU),
-            ("spec.resources.cpu", shape.cpu, lambda n: n.cpu, "CPU"),
-            ("spec.resources.memory", shape.memory, lambda n: n.memory, "bytes of memory")):
-        if need and not any(have(n) >= need for n in ready):
-            best = max(ready, key=have)
-            return (f"{field}: a worker needs {need:g} {unit} but no Ready node has that "
-                    f"many allocatable (the largest, {best.name}, has {have(best):g})")
-    return ""
 
 
 def owner_reference(body) -> dict:
@@ -392,9 +359,14 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
             "claimName": spec["checkpoint"]["claimName"]}})
     # Writable scratch on a read-only root file system (see the docstring).
     mounts += [{"name": "tmp", "mountPath": SCRATCH_TMP},
-               {"name": "home", "mountPath": SCRATCH_HOME}]
-    volumes += [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}}]
-    return {
+               {"name": "home", "mountPath": SCRATCH_HOME},
+               {"name": "dshm", "mountPath": SHM_DIR}]
+    shm = {"medium": "Memory"}
+    if res.get("shmSize"):
+        shm["sizeLimit"] = str(res["shmSize"])
+    volumes += [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}},
+                {"name": "dshm", "emptyDir": shm}]
+    pod = {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": pod_name(n, device),
                      "labels": {JOB_LABEL: n, DEVICE_LABEL: str(device),
@@ -429,6 +401,46 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
             }],
             "volumes": volumes,
             "tolerations": [],
+            # Workers never call the Kubernetes API (the template may ask for a token).
+            "automountServiceAccountToken": False,
         },
     }
+    return with_template(pod, spec.get("template") or {})
+
+
+def with_template(pod: dict, template: dict) -> dict:
+    """``pod`` with ``spec.template`` merged onto it (see :data:`TEMPLATE_POD_FIELDS`). Only
+    what a template may set is read, so a field the CRD refuses can never reach a pod even
+    from an object stored before a rule existed; the operator's labels, volumes, mounts and
+    environment win over the template's."""
+    meta, tspec = template.get("metadata") or {}, template.get("spec") or {}
+    pod["metadata"]["labels"] = {**(meta.get("labels") or {}), **pod["metadata"]["labels"]}
+    if meta.get("annotations"):
+        pod["metadata"]["annotations"] = dict(meta["annotations"])
+    ps = pod["spec"]
+    for key in TEMPLATE_POD_FIELDS:
+        if key in tspec:
+            ps[key] = tspec[key]
+    ours = {v["name"] for v in ps["volumes"]}
+    ps["volumes"] += [v for v in tspec.get("volumes") or [] if v.get("name") not in ours]
+    worker = ps["containers"][0]
+    extra = next((c for c in tspec.get("containers") or [] if c.get("name") == "worker"), {})
+    set_env = {e["name"] for e in worker["env"]}
+    worker["env"] += [e for e in extra.get("env") or [] if e.get("name") not in set_env]
+    if extra.get("envFrom"):
+        worker["envFrom"] = list(extra["envFrom"])
+    taken = {m["mountPath"].rstrip("/") for m in worker["volumeMounts"]}
+    worker["volumeMounts"] += [m for m in extra.get("volumeMounts") or []
+                               if m.get("mountPath", "").rstrip("/") not in taken]
+    res = extra.get("resources") or {}
+    own = {"cpu", "memory", GPU}
+    for kind in ("limits", "requests"):
+        for name, value in (res.get(kind) or {}).items():
+            if name not in own:
+                worker["resources"][kind][name] = str(value)
+    # An extended resource (an RDMA device) is given by its limit; its request must equal it.
+    for name, value in (res.get("limits") or {}).items():
+        if name not in own:
+            worker["resources"]["requests"].setdefault(name, str(value))
+    return pod
 

@@ -756,23 +756,21 @@ class JobRuntime:
 
     def _ready_to_start(self, workers) -> bool:
         healthy = [d for d in self.controller.clients]
-        alive = [w for w in workers.values() if not w.doomed]
+        # Pods the scheduler has not placed are demand, not workers on their way.
+        placed = [w for w in workers.values() if not w.doomed and w.node]
         if not healthy:
             return False
-        if len(healthy) >= len(alive) or time.monotonic() - self.created > START_WAIT_S:
+        if len(healthy) >= len(placed) or time.monotonic() - self.created > START_WAIT_S:
             return len(healthy) >= self.job.min_workers
         return False
 
     def _scale(self, workers, nodes) -> None:
-        """Create pods while the job is below its target and there is room for them."""
+        """Create the worker pods the job could use, up to its target and the per-job cap; the
+        scheduler places them. A pod it cannot place stays Pending: the job's unmet demand,
+        which a cluster autoscaler sees, while the job trains on the pods that run (and grows
+        live when the others do). Capacity is never counted here: the scheduler knows the
+        taints, selectors, affinity and priorities, and says why a pod waits."""
         gen, s = self._generation(), self.settings
-        shape = k.WorkerShape.of(self.body["spec"], (s.worker_cpu, s.worker_memory))
-        unfit = k.no_node_fits(nodes, shape)
-        if unfit:
-            if self.conditions.set("Schedulable", False, "NoNodeFits", unfit, gen):
-                self._event("Warning", "NoNodeFits", unfit)
-            return
-        self.conditions.set("Schedulable", True, "Fits", "", gen)
         refused = guard.check_image(self.job.image, s.allowed_images)
         if refused:        # before any pod: the job waits (an admin may widen the list)
             if self.conditions.set("ImageAllowed", False, "ImageNotAllowed", refused, gen):
@@ -785,13 +783,12 @@ class JobRuntime:
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
         if len(alive) > want:
             self._shed(alive, len(alive) - want)
-        pending = [w for w in alive if w.phase == "Pending" and not w.node]
-        if pending or self.expected or len(alive) >= want:
+        self._report_unscheduled(alive, gen)
+        if self.expected or len(alive) >= want:
             return
         if self.replacing.waiting or self.creation.waiting:
             return
-        room = k.free_slots(nodes, self.view.pods_on_nodes(), shape)
-        count = min(want - len(alive), room, s.create_batch)
+        count = min(want - len(alive), s.create_batch)
         capped = (f"; capped at the operator's {s.max_pods_per_job} pods per job "
                   f"(--max-pods-per-job)" if target > s.max_pods_per_job else "")
         for _ in range(max(0, count)):
@@ -830,6 +827,21 @@ class JobRuntime:
             self.creation.reset()
             self.conditions.set("PodsCreated", True, "Created" if not capped else "Capped",
                                 f"{len(alive) + max(0, count)} worker pods{capped}", gen)
+
+    def _report_unscheduled(self, alive, gen: int) -> None:
+        """The ``Schedulable`` condition: False, with the scheduler's own message, while some
+        worker pods wait for a node; an Event when they start to wait."""
+        waiting = [w for w in alive if w.unschedulable]
+        if not waiting:
+            self.conditions.set("Schedulable", True, "Scheduled", "every worker pod is placed",
+                                gen)
+            return
+        text = (f"{len(waiting)} of {len(alive)} worker pods wait for a node (the job trains "
+                f"on the others): {waiting[0].name}: {waiting[0].unschedulable}")
+        was = self.conditions.get("Schedulable")
+        self.conditions.set("Schedulable", False, "Unschedulable", text, gen)
+        if not was or was["status"] == "True":      # one Event when pods start to wait
+            self._event("Warning", "Unschedulable", text)
 
     def _shed(self, alive, surplus: int) -> None:
         """More worker pods than wanted (``kubectl scale`` down): delete pods that hold no

@@ -157,7 +157,8 @@ def test_worker_pods_meet_the_restricted_profile_with_scratch_space():
                      secret="tok", agent_port=50051)
     pod = p["spec"]["securityContext"]
     assert pod == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                   "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+                   "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"},
+                   "fsGroupChangePolicy": "OnRootMismatch"}   # a large claim is not re-owned
     (c,) = p["spec"]["containers"]
     assert c["securityContext"] == {"allowPrivilegeEscalation": False,
                                     "capabilities": {"drop": ["ALL"]},
@@ -177,6 +178,9 @@ def test_worker_pods_meet_the_restricted_profile_with_scratch_space():
     # no hostPath, no host namespaces, no privileged anything
     assert not any("hostPath" in v for v in volumes.values())
     assert not any(p["spec"].get(f) for f in ("hostNetwork", "hostPID", "hostIPC"))
+    # /dev/shm in memory (a runtime's own is 64 MiB); no service-account token
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"] == {"medium": "Memory"}
+    assert p["spec"]["automountServiceAccountToken"] is False
 
 
 def test_the_image_runs_as_the_workers_user():

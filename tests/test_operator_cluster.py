@@ -1,4 +1,4 @@
-"""The operator's reading of the cluster (doom signals, free GPU slots) and the manifests it
+"""The operator's reading of the cluster (doom signals, why a pod waits) and the manifests it
 writes, on Kubernetes API objects built here (the end-to-end path is in tests/k8s)."""
 
 import datetime
@@ -67,39 +67,21 @@ def test_unrelated_taints_do_not_doom():
     assert not k.read_worker(pod(0), ns, NOW).doomed
 
 
-def test_free_slots_counts_every_pod_and_skips_doomed_nodes():
-    ns = nodes(node("a", gpus=8), node("b", gpus=8), node("c", gpus=8, cordoned=True),
-               node("d", gpus=8, ready=False))
-    used = [pod(0, "a", gpus=8), pod(1, "b", gpus=3)]
-    assert k.free_slots(ns, used, k.WorkerShape(1, 1.0, 1 << 30)) == 5
-    assert k.free_slots(ns, used, k.WorkerShape(4, 1.0, 1 << 30)) == 1
-    finished = [pod(2, "a", gpus=8, phase="Succeeded")]
-    assert k.free_slots(ns, finished, k.WorkerShape(8, 1.0, 1 << 30)) == 2
-
-
-def test_cpu_workers_are_counted_against_cpu_and_memory():
-    # A CPU job used to have unlimited slots: maxWorkers 4096 made 4096 pods in one tick.
-    ns = nodes(node("a", gpus=0, cpu="16", memory="64Gi"), node("b", gpus=0, cpu="4",
-                                                                memory="4Gi"))
-    shape = k.WorkerShape.of({"resources": {"gpus": 0, "cpu": "2", "memory": "4Gi"}})
-    assert (shape.cpu, shape.memory) == (2.0, 4 << 30)
-    assert k.free_slots(ns, [], shape) == 8 + 1          # a: 8 by CPU, 16 by memory; b: 1
-    used = [pod(0, "a", gpus=0, requests={"cpu": "15", "memory": "1Gi"})]
-    assert k.free_slots(ns, used, shape) == 0 + 1         # 1 core left on a
-    half = k.WorkerShape.of({"resources": {"gpus": 0, "cpu": "500m"}}, ("1", "1Gi"))
-    assert (half.cpu, half.memory) == (0.5, 1 << 30)      # memory: the operator's default
-    assert k.free_slots(ns, used, half) == 2 + 4
-
-
-def test_no_node_fits_names_the_field():
-    ns = nodes(node("a", gpus=8), node("b", gpus=4))
-    assert k.no_node_fits(ns, k.WorkerShape(8, 1.0, 1 << 30)) == ""
-    why = k.no_node_fits(ns, k.WorkerShape(16, 1.0, 1 << 30))
-    assert why.startswith("spec.resources.gpus") and "16" in why and "a, has 8" in why
-    why = k.no_node_fits(ns, k.WorkerShape(0, 200.0, 1 << 30))
-    assert why.startswith("spec.resources.cpu") and "200" in why
-    assert k.no_node_fits(nodes(node("c", ready=False)), k.WorkerShape(1, 1, 1)) == \
-        "no node is Ready"
+def test_a_pod_the_scheduler_cannot_place_carries_its_reason():
+    # Capacity is the scheduler's to decide: the operator reads why a pod waits, from the
+    # scheduler's PodScheduled condition, and never counts allocatable itself.
+    waiting = pod(5, node_name=None, phase="Pending")
+    waiting.status.container_statuses = None
+    waiting.status.conditions = [client.V1PodCondition(
+        type="PodScheduled", status="False", reason="Unschedulable",
+        message="0/5 nodes are available: 5 Insufficient nvidia.com/gpu.")]
+    w = k.read_worker(waiting, nodes(node("n1")), NOW)
+    assert w.unschedulable == "0/5 nodes are available: 5 Insufficient nvidia.com/gpu."
+    assert w.node is None and not w.doomed and w.unhealthy == ""
+    assert k.read_worker(pod(6), nodes(node("n1")), NOW).unschedulable == ""
+    fresh = pod(7, node_name=None, phase="Pending")          # not yet looked at: no reason
+    fresh.status.conditions = None
+    assert k.unschedulable(fresh) == ""
 
 
 def test_unhealthy_pods():
@@ -169,3 +151,81 @@ def test_a_checkpointed_job_mounts_its_claim_and_writes_there():
     args = c["args"]
     assert args[args.index("--checkpoint-dir") + 1] == "/data/ckpt"
     assert args[-2:] == ["--threads", "4"]               # spec.args still come last
+
+
+def _templated(template: dict, **spec) -> dict:
+    body = {"apiVersion": "dynatrain.io/v1alpha1", "kind": "DynaTrainJob",
+            "metadata": {"name": "job", "namespace": "ns", "uid": "u-1"},
+            "spec": {"image": "img:1", "resources": {"gpus": 8, "memory": "64Gi"},
+                     "template": template, **spec}}
+    return k.worker_pod(body, 2, secret="tok", agent_port=50051)
+
+
+def test_the_template_places_the_worker_and_adds_to_it():
+    p = _templated({
+        "metadata": {"labels": {"team": "llm"}, "annotations": {"note": "x"}},
+        "spec": {
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                             "effect": "NoSchedule"}],
+            "priorityClassName": "preemptible", "schedulerName": "sched",
+            "runtimeClassName": "nvidia", "imagePullSecrets": [{"name": "regcred"}],
+            "automountServiceAccountToken": True,
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}}],
+            "containers": [{
+                "name": "worker",
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"},
+                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                            "name": "hf", "key": "token"}}}],
+                "envFrom": [{"configMapRef": {"name": "nccl-env"}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+                "resources": {"limits": {"rdma/ib": 1, "ephemeral-storage": "100Gi"}}}]}},
+        resources={"gpus": 8, "memory": "64Gi", "shmSize": "16Gi"})
+    meta, spec = p["metadata"], p["spec"]
+    assert meta["labels"]["team"] == "llm" and meta["labels"][k.JOB_LABEL] == "job"
+    assert meta["annotations"] == {"note": "x"}
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert (spec["priorityClassName"], spec["schedulerName"], spec["runtimeClassName"]) == (
+        "preemptible", "sched", "nvidia")
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert spec["automountServiceAccountToken"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "corpus"}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    (c,) = spec["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NCCL_DEBUG"]["value"] == "INFO" and "POD_IP" in env
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf"
+    assert c["envFrom"] == [{"configMapRef": {"name": "nccl-env"}}]
+    assert {"name": "data", "mountPath": "/data", "readOnly": True} in c["volumeMounts"]
+    # extended resources: limit and request alike; the operator's own are unchanged
+    assert c["resources"]["limits"]["rdma/ib"] == c["resources"]["requests"]["rdma/ib"] == "1"
+    assert c["resources"]["limits"]["ephemeral-storage"] == "100Gi"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert c["resources"]["limits"]["memory"] == "64Gi"
+
+
+def test_the_template_cannot_take_what_the_operator_owns():
+    # The CRD refuses these at admission; the merge reads only what a template may set, so
+    # an object stored before a rule existed cannot reach the pod with them either.
+    p = _templated({
+        "metadata": {"labels": {k.JOB_LABEL: "other"}},
+        "spec": {"securityContext": {"runAsUser": 0}, "hostNetwork": True,
+                 "restartPolicy": "Always",
+                 "volumes": [{"name": "token", "emptyDir": {}}],
+                 "containers": [{"name": "worker", "image": "evil", "command": ["sh"],
+                                 "env": [{"name": "POD_IP", "value": "1.2.3.4"}],
+                                 "volumeMounts": [{"name": "x", "mountPath": "/tmp/"}],
+                                 "resources": {"limits": {"nvidia.com/gpu": 64}}}]}})
+    spec = p["spec"]
+    assert p["metadata"]["labels"][k.JOB_LABEL] == "job"
+    assert spec["securityContext"]["runAsUser"] == k.WORKER_UID
+    assert "hostNetwork" not in spec and spec["restartPolicy"] == "Never"
+    assert [v for v in spec["volumes"] if v["name"] == "token"][0]["secret"]
+    (c,) = spec["containers"]
+    assert c["image"] == "img:1" and c["command"] == ["dynatrain", "worker"]
+    assert [e for e in c["env"] if e["name"] == "POD_IP"][0]["valueFrom"]
+    assert all(m["name"] != "x" for m in c["volumeMounts"])
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert spec["automountServiceAccountToken"] is False

@@ -69,6 +69,22 @@ def base_job(name: str = "gpt") -> dict:
                            "intervalSteps": 500},
             "agent": {"port": 50051, "authSecret": "gpt-agent-token"},
             "preemptionPolicy": "Switch",
+            # A tainted GPU pool chosen by its product label, a dataset claim, a token.
+            "template": {
+                "metadata": {"labels": {"team": "llm"}},
+                "spec": {
+                    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                     "effect": "NoSchedule"}],
+                    "priorityClassName": "training",
+                    "volumes": [{"name": "data",
+                                 "persistentVolumeClaim": {"claimName": "corpus"}}],
+                    "containers": [{
+                        "name": "worker",
+                        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                            "name": "hf-token", "key": "token"}}}],
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        "resources": {"limits": {"rdma/ib": 1}}}]}},
         },
     }
 
@@ -235,6 +251,45 @@ INVALID = [
          "spec.output.tensorboard", True),
     Case("output-log-every-zero", setting("spec.output", {"logEverySteps": 0}),
          "spec.output.logEverySteps", True),
+    # spec.template: what the operator owns is refused, saying why (cluster-only fields).
+    Case("template-security-context", setting("spec.template.spec.securityContext",
+                                              {"runAsUser": 0}),
+         "spec.template.spec.securityContext", False),
+    Case("template-host-network", setting("spec.template.spec.hostNetwork", True),
+         "spec.template.spec", False),
+    Case("template-restart-policy", setting("spec.template.spec.restartPolicy", "Always"),
+         "spec.template.spec.restartPolicy", False),
+    Case("template-owned-label", setting("spec.template.metadata.labels",
+                                         {"dynatrain.io/job": "other"}),
+         "spec.template.metadata.labels", False),
+    Case("template-volume-name", setting("spec.template.spec.volumes",
+                                         [{"name": "token", "emptyDir": {}}]),
+         "spec.template.spec.volumes[0]", False),
+    Case("template-container-name", setting("spec.template.spec.containers",
+                                            [{"name": "sidecar"}]),
+         "spec.template.spec.containers[0].name", False),
+    Case("template-container-command", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0].__setitem__("command", ["sh"]), "spec.template.spec.containers[0]", False),
+    Case("template-container-ports", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0].__setitem__("ports", [{"containerPort": 80}]), "spec.template.spec.containers[0]",
+         False),
+    Case("template-container-security", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0].__setitem__("securityContext", {"privileged": True}),
+         "spec.template.spec.containers[0]", False),
+    Case("template-env-owned", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0]["env"].append({"name": "POD_IP", "value": "10.0.0.1"}),
+         "spec.template.spec.containers[0].env[1]", False),
+    Case("template-mount-owned", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0]["volumeMounts"].append({"name": "data", "mountPath": "/var/run/secrets/dynatrain"}),
+         "spec.template.spec.containers[0].volumeMounts[1]", False),
+    Case("template-mount-on-checkpoint", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0]["volumeMounts"].append({"name": "data", "mountPath": "/checkpoints"}),
+         "spec.template.spec.containers", False),
+    Case("template-resources-gpu", lambda d: d["spec"]["template"]["spec"]["containers"][
+        0]["resources"]["limits"].__setitem__("nvidia.com/gpu", 8),
+         "spec.template.spec.containers[0].resources", False),
+    Case("shm-size-not-quantity", setting("spec.resources.shmSize", "big"),
+         "spec.resources.shmSize", False),
 ]
 
 # A Hugging Face model as a cluster job names it: the directory on the workers' volume, and
@@ -485,6 +540,11 @@ IMMUTABLE = [
     Edit("agent-secret", "spec.agent", {"agent": {"authSecret": "other-token"}}),
     Edit("agent-add", "spec.agent", {"agent": {"port": 50051}}, created_without=True),
     Edit("agent-remove", "spec.agent", {"agent": None}),
+    Edit("template-change", "spec.template", {"template": {"spec": {
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}}}}),
+    Edit("template-add", "spec.template", {"template": {"spec": {"priorityClassName": "low"}}},
+         created_without=True),
+    Edit("template-remove", "spec.template", {"template": None}),
 ]
 
 # Edits a running job may make: the operator applies them live. Each is accepted, and the

@@ -1,0 +1,118 @@
+"""A job on a shared GPU cluster's terms: a tainted, labelled pool chosen by the job's pod
+template, and capacity decided by the real kube-scheduler.
+
+The pool is two simulated nodes added for this test (tainted ``nvidia.com/gpu:NoSchedule``,
+labelled with a GPU product), two GPUs each. The job tolerates the taint and selects the pool
+by its label, and wants more workers than one node holds: the pods the scheduler cannot place
+stay Pending with its reason (the job's unmet demand), the job trains on the others, and when
+the second node arrives the waiting pod runs and the job grows live. Nothing is set by hand but
+the nodes themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from kubernetes import client
+
+from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
+from operator_process import condition, events, get, job, job_pods, wait
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+PRODUCT = "NVIDIA-A100-SXM4-40GB"
+
+
+def _pool(first: int, pool: str) -> NodePool:
+    return NodePool(count=1, gpus_per_node=2, name_prefix="tainted", first_index=first,
+                    instance_type="p4d.24xlarge",
+                    labels={"nvidia.com/gpu.product": PRODUCT, "dynatrain.io/test-pool": pool},
+                    taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
+
+
+def _templated(name: str, pool: str) -> dict:
+    doc = job(name, gpus=1, max_workers=3)
+    doc["spec"]["resources"]["shmSize"] = "1Gi"
+    doc["spec"]["template"] = {
+        "metadata": {"labels": {"team": "llm"}},
+        "spec": {
+            "nodeSelector": {"nvidia.com/gpu.product": PRODUCT,
+                             "dynatrain.io/test-pool": pool},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                             "effect": "NoSchedule"}],
+            "volumes": [{"name": "corpus", "configMap": {"name": f"{name}-corpus"}}],
+            "containers": [{"name": "worker",
+                            "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                            "volumeMounts": [{"name": "corpus", "mountPath": "/data",
+                                              "readOnly": True}]}]}}
+    return doc
+
+
+def test_a_tainted_pool_chosen_by_the_template_and_capacity_from_the_scheduler(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    pool = namespace                                  # a label value of this test's own
+    nodes = add_nodes(core, _pool(0, pool))
+    name = "pooled"
+    try:
+        core.create_namespaced_config_map(namespace, client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(name=f"{name}-corpus"), data={"a.txt": "text"}))
+        manifest = tmp_path / "job.yaml"
+
+        # What the operator owns is refused at admission, naming the field and why.
+        bad = _templated(name, pool)
+        bad["spec"]["template"]["spec"]["securityContext"] = {"runAsUser": 0}
+        manifest.write_text(yaml.safe_dump(bad))
+        out = kubectl("apply", "-n", namespace, "-f", str(manifest), check=False)
+        assert out.returncode != 0 and "spec.template.spec.securityContext" in out.stderr \
+            and "restricted Pod Security Standard" in out.stderr, out.stderr
+
+        manifest.write_text(yaml.safe_dump(_templated(name, pool)))
+        kubectl("apply", "-n", namespace, "-f", str(manifest))
+
+        # Two workers fit the pool's one node; the third waits with the scheduler's reason.
+        def two_running_one_waiting():
+            st = get(custom, namespace, name).get("status", {})
+            cond = condition(custom, namespace, name, "Schedulable")
+            return (st, cond) if st.get("phase") == "Running" and st.get("workers") == 2 \
+                and cond and cond["status"] == "False" else None
+        st, cond = wait("2 workers on the pool and 1 pod waiting", two_running_one_waiting,
+                        timeout=150)
+        assert cond["reason"] == "Unschedulable" and "1 of 3 worker pods wait" in \
+            cond["message"], cond
+        assert "Insufficient nvidia.com/gpu" in cond["message"], cond
+        pods = job_pods(core, namespace, name)
+        placed = [p for p in pods if p.spec.node_name]
+        assert len(pods) == 3 and {p.spec.node_name for p in placed} == set(nodes), \
+            [(p.metadata.name, p.spec.node_name) for p in pods]
+        # The template reached the pods; /dev/shm is memory, sized; no API token.
+        p = placed[0]
+        assert p.metadata.labels["team"] == "llm"
+        volumes = {v.name: v for v in p.spec.volumes}
+        assert volumes["dshm"].empty_dir.medium == "Memory"
+        assert volumes["dshm"].empty_dir.size_limit == "1Gi"
+        assert volumes["corpus"].config_map.name == f"{name}-corpus"
+        (c,) = p.spec.containers
+        mounts = {m.mount_path: m.name for m in c.volume_mounts}
+        assert mounts["/dev/shm"] == "dshm" and mounts["/data"] == "corpus"
+        assert {"NCCL_DEBUG"} <= {e.name for e in c.env}
+        assert p.spec.automount_service_account_token is False
+        assert p.spec.security_context.fs_group_change_policy == "OnRootMismatch"
+        assert "Unschedulable" in [e.reason for e in events(core, namespace, name)]
+
+        # A second node joins the pool: the waiting pod runs there, the job grows live.
+        nodes += add_nodes(core, _pool(1, pool))
+
+        def grown():
+            st = get(custom, namespace, name).get("status", {})
+            return st if st.get("workers") == 3 and st.get("phase") == "Running" else None
+        st = wait("the job to grow onto the new node", grown, timeout=150)
+        assert st["lastSwitch"]["reason"] == "scale-up", st["lastSwitch"]
+        assert {p.spec.node_name for p in job_pods(core, namespace, name)} == set(nodes)
+        wait("Schedulable again", lambda: (condition(custom, namespace, name, "Schedulable")
+                                           or {}).get("status") == "True", timeout=30)
+        assert "WorkerLost" not in [e.reason for e in events(core, namespace, name)]
+    finally:
+        kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false", check=False)
+        wait("the job's pods to go", lambda: not job_pods(core, namespace, name), timeout=60)
+        for n in nodes:
+            delete_node(core, n)
