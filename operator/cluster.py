@@ -99,6 +99,8 @@ class NodeInfo:
     """Allocatable CPU cores."""
     memory: int = 0
     """Allocatable memory, bytes."""
+    gpu_labels: tuple[tuple[str, str], ...] = ()
+    """The node's ``nvidia.com/gpu.*`` labels (product, memory...): what GPU it has."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,9 @@ def read_node(node) -> NodeInfo:
     gpus = int(alloc.get(GPU, "0"))
     return NodeInfo(node.metadata.name, gpus, ready, bool(doom), ", ".join(doom),
                     cpu=float(parse_quantity(alloc.get("cpu", "0"))),
-                    memory=int(parse_quantity(alloc.get("memory", "0"))))
+                    memory=int(parse_quantity(alloc.get("memory", "0"))),
+                    gpu_labels=tuple(sorted((key, value) for key, value in (
+                        node.metadata.labels or {}).items() if key.startswith("nvidia.com/gpu."))))
 
 
 def pod_gpus(pod) -> int:

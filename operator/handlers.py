@@ -35,7 +35,7 @@ from . import cluster as k
 from . import pki
 from . import guard, netpol
 from .informer import ClusterView
-from .runtime import GROUP, PLURAL, VERSION, JobRuntime, Settings
+from .runtime import GROUP, PLURAL, VERSION, JobRuntime, Settings, seconds_to_expiry
 from .telemetry import CountingApiClient, OperatorMetrics
 
 _state = {"jobs": None, "api": None, "view": None, "operator_metrics": None}
@@ -43,6 +43,8 @@ _lock = threading.RLock()
 USER_AGENT = "dynatrain-operator"
 MAX_JOBS = int(os.environ.get("DYNATRAIN_MAX_JOBS", "1024"))
 """Jobs one operator runs at once (one daemon thread each)."""
+TTL_CHECK_S = 1.0
+"""How often a finished job with ``spec.ttlSecondsAfterFinished`` is looked at."""
 
 
 def settings() -> Settings:
@@ -154,6 +156,25 @@ def drop_metrics(name, namespace, uid, **_) -> None:
     """A deleted job's series leave the operator's ``/metrics`` (a job that finished earlier
     has no daemon left to do it)."""
     forget_job(namespace, name, uid)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=TTL_CHECK_S,
+            when=lambda body, **_: seconds_to_expiry(body) is not None)
+def expire(body, name, namespace, logger, **_) -> None:
+    """``spec.ttlSecondsAfterFinished``: a finished job is deleted once it passes (its pods,
+    Service, ConfigMap and Secrets go with it: they are owned). A timer rather than the job's
+    daemon, which ends with the job: the TTL may be set or changed after the end."""
+    left = seconds_to_expiry(body)
+    if left is None or left > 0:
+        return
+    logger.info(f"job {namespace}/{name} is {body['status']['phase']} and its "
+                f"ttlSecondsAfterFinished has passed: deleting it")
+    custom = client.CustomObjectsApi(_api())
+    try:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except client.exceptions.ApiException as e:
+        if e.status != 404:
+            raise
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15, initial_delay=0)

@@ -66,7 +66,8 @@ from dynatrain.agent.auth import ClientTls
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller.core import JobController, JobFailed
-from dynatrain.controller.hardware import PROFILES, DeviceProfile
+from dynatrain.controller.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
+                                           profile_for_node_labels)
 from dynatrain.controller.job import JobError, job_from_manifest
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
@@ -143,8 +144,11 @@ class Backoff:
 class Conditions:
     """The job's status conditions by type, with transition times kept across passes."""
 
-    def __init__(self):
-        self.items: dict[str, dict] = {}
+    def __init__(self, published: list[dict] | None = None):
+        # The published ones, so a restarted operator keeps their transition times (and a
+        # finished job its Complete or Failed).
+        self.items: dict[str, dict] = {c["type"]: dict(c) for c in published or []
+                                       if c.get("type")}
 
     def set(self, kind: str, ok: bool, reason: str, message: str = "",
             generation: int = 0) -> bool:
@@ -169,10 +173,38 @@ class Conditions:
 
 
 def profile_for(job) -> DeviceProfile:
-    """GPU workers: the H100 preset; CPU workers: one core-sized device per pod."""
+    """Before any worker is placed: ``spec.hardware.profile``, else the H100 preset for GPU
+    workers (:func:`hardware_of` corrects it from the nodes); CPU workers: one core-sized
+    device per pod."""
     if job.gpus_per_worker > 0:
-        return PROFILES["h100"]
+        return PROFILES[(job.raw.get("spec", {}).get("hardware") or {}).get("profile", "h100")]
     return replace(PROFILES["cpu"], shared_cores=0, memory_bytes=4 << 30)
+
+
+def hardware_of(job, nodes: list[k.NodeInfo]) -> tuple[DeviceProfile, bool, str, str]:
+    """The profile a GPU job's layouts are priced with, from the nodes its workers run on:
+    (profile, ok, reason, message) for the ``Hardware`` condition. ``spec.hardware.profile``
+    wins; else each node's GPU labels name a preset; workers on different GPU models are
+    planned for the one with the least memory, so that every layout fits every device (and
+    the condition says so); nodes whose labels name no known GPU are priced as H100s, which
+    the condition says too."""
+    override = (job.raw.get("spec", {}).get("hardware") or {}).get("profile")
+    if override:
+        return PROFILES[override], True, "Override", f"spec.hardware.profile {override}"
+    found = {n.name: profile_for_node_labels(dict(n.gpu_labels)) for n in nodes}
+    known = {p.name: p for p in found.values() if p is not None}
+    unknown = sorted(name for name, p in found.items() if p is None)
+    if not known:
+        return (PROFILES["h100"], False, "NoGPULabels",
+                f"node(s) {', '.join(unknown) or '-'} have no {GPU_PRODUCT_LABEL} label naming "
+                "a GPU with a preset: planned as H100 80 GB; set spec.hardware.profile")
+    smallest = min(known.values(), key=lambda p: (p.memory_bytes, p.flops_per_second))
+    if len(known) > 1 or unknown:
+        return (smallest, False, "MixedGPUs",
+                f"workers run on {', '.join(sorted(known))}"
+                + (f" and unlabelled node(s) {', '.join(unknown)}" if unknown else "")
+                + f": planned for {smallest.name}, the one with the least memory")
+    return smallest, True, "FromNodeLabels", f"{smallest.name} ({GPU_PRODUCT_LABEL})"
 
 
 class JobRuntime:
@@ -198,8 +230,12 @@ class JobRuntime:
         self.store = None
         self.seen_spec = None
         self.token, self.secret_name = "", ""
-        self.conditions = Conditions()
+        published = body.get("status") or {}
+        self.conditions = Conditions(published.get("conditions"))
         self.phase = "Pending"
+        self.start_time: str | None = published.get("startTime")
+        """When the job first trained (``status.startTime``), kept across operator restarts."""
+        self.completion_time: str | None = published.get("completionTime")
         self.last_switch: dict | None = (body.get("status") or {}).get("lastSwitch")
         """As published; a restarted operator (or a replica taking over) keeps the last."""
         self.data_audit: dict | None = None
@@ -629,11 +665,13 @@ class JobRuntime:
         if not self.over:
             self._scale(workers, nodes)
         c = self.controller
+        self._price(workers, nodes)
         if not self.adopted:
             if not self._ready_to_start(workers):
                 self.phase = "Pending"
                 return
             self.adopted = True
+            self.start_time = self.start_time or _now().isoformat()
             self.log(f"job {self.name}: {c.adopt()}")
             # A generation already running: this operator took the job over mid-flight.
             self.took_over = c.generation_running > 0
@@ -643,6 +681,9 @@ class JobRuntime:
         if c.progress.finished:
             self.over = True
             self.phase = "Succeeded"
+            self.completion_time = _now().isoformat()
+            self.conditions.set("Complete", True, "Succeeded",
+                                f"trained {c.progress.step} steps", self._generation())
             self._event("Normal", "Succeeded", f"trained {c.progress.step} steps")
             self._delete_all_pods("the job succeeded")
         else:
@@ -753,6 +794,22 @@ class JobRuntime:
         self.conditions.set("WorkersHealthy", False, "WorkerReplaced", text, self._generation())
         self._event("Warning", "WorkerReplaced", text)
         self.log(f"job {self.name}: {text}")
+
+    def _price(self, workers, nodes) -> None:
+        """A GPU job's device profile, from the nodes its workers are placed on (the
+        ``Hardware`` condition), for the solver's next decision."""
+        if self.job.gpus_per_worker <= 0:
+            return
+        placed = [nodes[w.node] for w in workers.values()
+                  if w.node in nodes and not w.doomed and w.device not in self.left]
+        if not placed:
+            return
+        profile, ok, reason, text = hardware_of(self.job, placed)
+        if self.controller.profile.name != profile.name:
+            self.log(f"job {self.name}: layouts priced for {profile.name}: {text}")
+        self.controller.profile = profile
+        if self.conditions.set("Hardware", ok, reason, text, self._generation()) and not ok:
+            self._event("Warning", reason, text)
 
     def _ready_to_start(self, workers) -> bool:
         healthy = [d for d in self.controller.clients]
@@ -955,7 +1012,6 @@ class JobRuntime:
         c = self.controller
         st = {"phase": self.phase, "selector": f"{k.JOB_LABEL}={self.name}",
               "observedGeneration": self._generation(),
-              "conditions": self.conditions.as_list(),
               "workers": len(c.members) if c else 0,
               "generation": c.generation if c else 0,
               "layout": c.layout.to_text() if c and c.layout else "",
@@ -963,7 +1019,14 @@ class JobRuntime:
               "tokensPerSecond": round(c.progress.tokens_per_second, 3) if c else 0.0,
               "gpus": len(c.members) * self.job.gpus_per_worker if c else 0,
               "replacedWorkers": self.replaced,
+              "hardware": c.profile.name if c else "",
               "workerUIDs": sorted(self.worker_uids)}
+        if self.start_time:
+            st["startTime"] = self.start_time
+        if self.completion_time:
+            st["completionTime"] = self.completion_time
+        self._running_condition()
+        st["conditions"] = self.conditions.as_list()
         if c is not None and c.progress.loss is not None:
             st["loss"] = round(c.progress.loss, 6)
         if self.last_switch:
@@ -971,6 +1034,16 @@ class JobRuntime:
         if c is not None and c.layout is not None:
             st["data"] = self._audit()
         return st
+
+    def _running_condition(self) -> None:
+        """``Running``: True while the job trains (a switch included), False with the phase
+        as the reason otherwise; with ``Complete`` and ``Failed`` (set when the job ends),
+        what ``kubectl wait --for=condition=...`` waits on."""
+        training = self.phase in ("Running", "Switching")
+        self.conditions.set("Running", training, self.phase,
+                            "training" if training else
+                            "waiting for workers" if self.phase == "Pending" else "ended",
+                            self._generation())
 
     def _audit(self) -> dict:
         """``status.data``: whether every step's batch was read exactly once (from the
@@ -1051,6 +1124,21 @@ def _api_message(e: ApiException) -> str:
         return json.loads(e.body).get("message") or str(e.reason)
     except (TypeError, ValueError, AttributeError):
         return str(e.body or e.reason)
+
+
+def seconds_to_expiry(body: dict, now: datetime.datetime | None = None) -> float | None:
+    """Seconds until a finished job's ``spec.ttlSecondsAfterFinished`` passes (<= 0: due),
+    counted from its Complete or Failed condition's transition, as for a batch Job; None for
+    a job that has not finished or sets no TTL."""
+    ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+    status = body.get("status") or {}
+    end = next((c for c in status.get("conditions") or []
+                if c.get("type") in ("Complete", "Failed") and c.get("status") == "True"),
+               None)
+    if ttl is None or status.get("phase") not in TERMINAL or end is None:
+        return None
+    ended = datetime.datetime.fromisoformat(end["lastTransitionTime"].replace("Z", "+00:00"))
+    return (ended + timedelta(seconds=ttl) - (now or _now())).total_seconds()
 
 
 def _now():

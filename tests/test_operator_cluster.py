@@ -229,3 +229,55 @@ def test_the_template_cannot_take_what_the_operator_owns():
     assert all(m["name"] != "x" for m in c["volumeMounts"])
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert spec["automountServiceAccountToken"] is False
+
+
+def test_a_finished_jobs_ttl_counts_from_its_end():
+    from dynatrain.operator.runtime import seconds_to_expiry
+
+    end = NOW.isoformat()
+    body = {"spec": {"ttlSecondsAfterFinished": 60},
+            "status": {"phase": "Succeeded", "conditions": [
+                {"type": "Running", "status": "False", "lastTransitionTime": end},
+                {"type": "Complete", "status": "True", "lastTransitionTime": end}]}}
+    later = NOW + datetime.timedelta(seconds=45)
+    assert seconds_to_expiry(body, later) == 15.0
+    assert seconds_to_expiry(body, later + datetime.timedelta(seconds=20)) == -5.0
+    failed = {"spec": {"ttlSecondsAfterFinished": 0}, "status": {
+        "phase": "Failed", "conditions": [{"type": "Failed", "status": "True",
+                                           "lastTransitionTime": "2026-11-21T00:00:00Z"}]}}
+    assert seconds_to_expiry(failed, NOW) == 0.0
+    assert seconds_to_expiry({**body, "spec": {}}, later) is None          # no TTL: kept
+    running = {"spec": body["spec"], "status": {"phase": "Running", "conditions": []}}
+    assert seconds_to_expiry(running, later) is None
+
+
+def test_the_nodes_gpu_labels_price_the_job():
+    from types import SimpleNamespace
+
+    from dynatrain.operator.runtime import hardware_of
+
+    def labelled(name, product=None, memory=None):
+        n = node(name)
+        n.metadata.labels = {**({"nvidia.com/gpu.product": product} if product else {}),
+                             **({"nvidia.com/gpu.memory": memory} if memory else {})}
+        return k.read_node(n)
+
+    job = SimpleNamespace(raw={"spec": {}})
+    a40 = labelled("a", "NVIDIA-A100-SXM4-40GB", "40960")
+    h100 = labelled("b", "NVIDIA-H100-80GB-HBM3")
+    assert hardware_of(job, [a40, a40])[:3] == (k_profiles()["a100-40gb"], True,
+                                                 "FromNodeLabels")
+    # Mixed models: planned for the least memory, so every layout fits every device.
+    profile, ok, reason, text = hardware_of(job, [h100, a40])
+    assert (profile.name, ok, reason) == ("a100-40gb", False, "MixedGPUs")
+    assert "a100-40gb, h100" in text
+    profile, ok, reason, text = hardware_of(job, [labelled("c")])
+    assert (profile.name, ok, reason) == ("h100", False, "NoGPULabels")
+    assert "spec.hardware.profile" in text and "c" in text
+    pinned = SimpleNamespace(raw={"spec": {"hardware": {"profile": "l4"}}})
+    assert hardware_of(pinned, [h100])[:3] == (k_profiles()["l4"], True, "Override")
+
+
+def k_profiles():
+    from dynatrain.controller.hardware import PROFILES
+    return PROFILES

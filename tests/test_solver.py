@@ -288,3 +288,37 @@ def test_latency_by_group_size():
     tp4 = parse_layout("tp=4")
     assert estimate(GPT, tp4, p, **TINY).breakdown["tp_comm"] > \
         2 * estimate(GPT, tp4, replace(p, group_latency_seconds=()), **TINY).breakdown["tp_comm"]
+
+
+@pytest.mark.parametrize("labels, preset", [
+    ({"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, "h100"),
+    ({"nvidia.com/gpu.product": "NVIDIA-H200"}, "h200"),
+    ({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}, "a100"),
+    ({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}, "a100-40gb"),
+    # The product alone does not say which A100: its memory label does (MiB).
+    ({"nvidia.com/gpu.product": "NVIDIA-A100-PCIE", "nvidia.com/gpu.memory": "40960"},
+     "a100-40gb"),
+    ({"nvidia.com/gpu.product": "NVIDIA-L40S"}, "l40s"),
+    ({"nvidia.com/gpu.product": "NVIDIA-L4"}, "l4"),
+    ({"nvidia.com/gpu.product": "Tesla-T4"}, None),
+    ({}, None),
+])
+def test_a_nodes_gpu_labels_pick_its_preset(labels, preset):
+    from dynatrain.controller.hardware import profile_for_gpu_name, profile_for_node_labels
+
+    got = profile_for_node_labels(labels)
+    assert (got.name if got else None) == preset
+    # what CUDA calls the same GPUs
+    assert profile_for_gpu_name("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
+    assert profile_for_gpu_name("NVIDIA L40S").name == "l40s"
+
+
+def test_on_40_gb_a100s_the_solver_picks_a_layout_that_fits_40_gb():
+    # llama-7b on 8 GPUs at 4k tokens: what fits an 80 GB device does not fit a 40 GB one,
+    # so a job priced as an H100 on A100-40GB nodes would run out of memory.
+    a40 = PROFILES["a100-40gb"]
+    on_h100 = solve(L7, 8, H100, global_batch_size=8, seq_len=4096)
+    on_a40 = solve(L7, 8, a40, global_batch_size=8, seq_len=4096)
+    assert on_a40.fits and on_a40.memory_bytes <= on_a40.available_bytes <= a40.memory_bytes
+    assert on_h100.memory_bytes > a40.memory_bytes, on_h100      # H100's pick would not fit
+    assert on_a40.layout.to_text() != on_h100.layout.to_text()

@@ -4,7 +4,9 @@ A :class:`DeviceProfile` holds the figures :mod:`dynatrain.controller.costmodel`
 layout with (matmul, attention and elementwise rates, memory and its bandwidth, collective
 bandwidth and latency, host time per operator) and how a world of ranks sees them when the
 ranks are worker processes sharing one machine's cores. :data:`PROFILES` has presets for
-H100, A100 and this machine's CPU; :mod:`dynatrain.controller.calibrate` measures the CPU one.
+H100, H200, A100 (80 and 40 GB), L40S, L4 and this machine's CPU, and
+:func:`profile_for_gpu_name` / :func:`profile_for_node_labels` pick one from what CUDA or a
+node's GPU feature discovery labels call the GPU; :mod:`dynatrain.controller.calibrate` measures the CPU one.
 Plain data and arithmetic: no torch.
 """
 
@@ -153,6 +155,35 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.8e12,
         attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
         peak_flops_per_second=312e12),
+    # A100 SXM4 40 GB: the 80 GB part's compute and links, half the memory, 1.56 TB/s HBM2.
+    "a100-40gb": DeviceProfile(
+        name="a100-40gb", flops_per_second=205e12, memory_bytes=40 * 10**9,
+        intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
+        devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.4e12,
+        attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
+        peak_flops_per_second=312e12),
+    # H200 SXM 141 GB: H100's compute (989 TFLOPS dense bf16) and NVLink 4, 4.8 TB/s HBM3e.
+    "h200": DeviceProfile(
+        name="h200", flops_per_second=650e12, memory_bytes=141 * 10**9,
+        intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
+        devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=4.3e12,
+        attention_flops_per_second=350e12, reserved_bytes=2 * GiB,
+        peak_flops_per_second=989e12),
+    # L40S 48 GB (362 TFLOPS dense bf16, 864 GB/s GDDR6): PCIe Gen4 x16 between GPUs, no
+    # NVLink (~20 GB/s bus bandwidth through the host), typically 100-200 Gb/s between nodes.
+    "l40s": DeviceProfile(
+        name="l40s", flops_per_second=240e12, memory_bytes=48 * 10**9,
+        intra_node_bytes_per_second=20e9, inter_node_bytes_per_second=12e9,
+        devices_per_node=8, latency_seconds=30e-6, memory_bytes_per_second=0.75e12,
+        attention_flops_per_second=130e12, reserved_bytes=2 * GiB,
+        peak_flops_per_second=362e12),
+    # L4 24 GB (121 TFLOPS dense bf16, 300 GB/s GDDR6): PCIe Gen4, a 50 Gb/s-class network.
+    "l4": DeviceProfile(
+        name="l4", flops_per_second=80e12, memory_bytes=24 * 10**9,
+        intra_node_bytes_per_second=12e9, inter_node_bytes_per_second=5e9,
+        devices_per_node=8, latency_seconds=30e-6, memory_bytes_per_second=0.26e12,
+        attention_flops_per_second=40e12, reserved_bytes=1 * GiB,
+        peak_flops_per_second=121e12),
     # Worker processes on this machine (the local runner): a static guess per core of a
     # recent x86 server core with AVX-512, from the project's 2-core CI VM (~100 GFLOPS fp32
     # for 512^3 matmuls, ~30 GFLOPS for attention at head dim 32, ~13 GB/s through torch's
@@ -172,8 +203,35 @@ PROFILES: dict[str, DeviceProfile] = {
 def profile_for_gpu_name(name: str) -> DeviceProfile | None:
     """The preset of a GPU from its name as CUDA reports it (``torch.cuda.get_device_name``:
     "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"), or None for a GPU with no preset."""
-    upper = name.upper()
-    for key in ("h100", "a100"):
-        if key.upper() in upper:
-            return PROFILES[key]
+    upper = name.upper().replace("-", " ")
+    words = set(upper.split())
+    if "H200" in words:
+        return PROFILES["h200"]
+    if "H100" in words:
+        return PROFILES["h100"]
+    if "A100" in words:
+        return PROFILES["a100-40gb" if "40GB" in words else "a100"]
+    if "L40S" in words:
+        return PROFILES["l40s"]
+    if "L4" in words:
+        return PROFILES["l4"]
     return None
+
+
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The GPU model of a node, as NVIDIA's GPU feature discovery labels it
+("NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-40GB", "NVIDIA-L4")."""
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+"""Its memory in MiB ("40960")."""
+
+
+def profile_for_node_labels(labels: dict[str, str]) -> DeviceProfile | None:
+    """The preset of a node's GPUs from its labels (:data:`GPU_PRODUCT_LABEL`, with
+    :data:`GPU_MEMORY_LABEL` telling an A100's 40 GB part from its 80 GB one where the
+    product name does not), or None when they name no GPU with a preset."""
+    profile = profile_for_gpu_name(labels.get(GPU_PRODUCT_LABEL, ""))
+    memory = labels.get(GPU_MEMORY_LABEL, "")
+    if profile is not None and profile.name == "a100" and memory.isdigit() \
+            and int(memory) < 60 * 1024:
+        return PROFILES["a100-40gb"]
+    return profile

@@ -10,7 +10,8 @@ about what a valid job is; for the invalid manifests whose fields the parser che
 refuse them too, naming the same field.
 
 Updates: a running job may change only ``spec.elastic``, ``spec.parallelism`` and
-``spec.preemptionPolicy`` (the operator applies them live). Every other spec field is immutable
+``spec.preemptionPolicy`` (the operator applies them live), and ``spec.ttlSecondsAfterFinished``
+(read once the job ends). Every other spec field is immutable
 (CEL transition rules): changing, adding or removing it is refused with a message that names it,
 while updates that leave the spec alone (status, finalizers, annotations) always pass.
 """
@@ -37,7 +38,8 @@ from dynatrain.devcluster.processes import wait_until
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "dynatrainjob.yaml"
 EXAMPLES = (REPO / "examples" / "quickstart.yaml", REPO / "examples" / "dynatrainjob.yaml",
-            REPO / "examples" / "dev-job.yaml", REPO / "examples" / "dev-job-containers.yaml")
+            REPO / "examples" / "dev-job.yaml", REPO / "examples" / "dev-job-containers.yaml",
+            REPO / "examples" / "gpu-pool-job.yaml")
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
@@ -288,6 +290,10 @@ INVALID = [
     Case("template-resources-gpu", lambda d: d["spec"]["template"]["spec"]["containers"][
         0]["resources"]["limits"].__setitem__("nvidia.com/gpu", 8),
          "spec.template.spec.containers[0].resources", False),
+    Case("hardware-unknown", setting("spec.hardware", {"profile": "t4"}),
+         "spec.hardware.profile", False),
+    Case("ttl-negative", setting("spec.ttlSecondsAfterFinished", -1),
+         "spec.ttlSecondsAfterFinished", False),
     Case("shm-size-not-quantity", setting("spec.resources.shmSize", "big"),
          "spec.resources.shmSize", False),
 ]
@@ -475,6 +481,7 @@ def running_job(name: str) -> dict:
     # Relative to spec.checkpoint.path, so it stays on the claim when an edit moves the mount.
     doc["spec"]["recovery"] = {"mirror": True, "resumeFrom": "old-run/step-00000100"}
     doc["spec"]["output"] = {"hf": "/checkpoints/out/gpt"}
+    doc["spec"]["hardware"] = {"profile": "a100-40gb"}
     return doc
 
 
@@ -540,6 +547,9 @@ IMMUTABLE = [
     Edit("agent-secret", "spec.agent", {"agent": {"authSecret": "other-token"}}),
     Edit("agent-add", "spec.agent", {"agent": {"port": 50051}}, created_without=True),
     Edit("agent-remove", "spec.agent", {"agent": None}),
+    Edit("hardware-change", "spec.hardware", {"hardware": {"profile": "h200"}}),
+    Edit("hardware-add", "spec.hardware", {"hardware": {"profile": "l4"}}, created_without=True),
+    Edit("hardware-remove", "spec.hardware", {"hardware": None}),
     Edit("template-change", "spec.template", {"template": {"spec": {
         "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}}}}),
     Edit("template-add", "spec.template", {"template": {"spec": {"priorityClassName": "low"}}},
@@ -559,6 +569,7 @@ MUTABLE = {
     "parallelism-remove": {"parallelism": None},
     "preemption-policy": {"preemptionPolicy": "Ignore"},
     "preemption-policy-remove": {"preemptionPolicy": None},
+    "ttl-after-finished": {"ttlSecondsAfterFinished": 600},
 }
 
 
@@ -567,7 +578,7 @@ def test_every_spec_field_is_classified():
     schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]
     fields = set(schema["openAPIV3Schema"]["properties"]["spec"]["properties"])
     immutable = {e.field.removeprefix("spec.") for e in IMMUTABLE}
-    mutable = {"elastic", "parallelism", "preemptionPolicy"}
+    mutable = {"elastic", "parallelism", "preemptionPolicy", "ttlSecondsAfterFinished"}
     assert fields == immutable | mutable and not immutable & mutable
     assert {k for p in MUTABLE.values() for k in p} == mutable
     for f in immutable - {"image", "model", "resources"}:    # the optional ones

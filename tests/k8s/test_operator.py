@@ -22,7 +22,7 @@ from kubernetes import client
 from dynatrain.devcluster import NodePool
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
-from operator_process import GROUP, PLURAL, VERSION, Operator, agent_client, \
+from operator_process import GROUP, PLURAL, VERSION, Operator, agent_client, condition, \
     events as _events, get as _get, job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -48,9 +48,16 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
     gpu_nodes = {n.metadata.name for n in core.list_node().items
                  if int((n.status.allocatable or {}).get("nvidia.com/gpu", "0")) > 0}
     job_pods = core.list_namespaced_pod(namespace, label_selector="dynatrain.io/job=elastic").items
-    assert job_pods and all(p.spec.node_name in gpu_nodes for p in job_pods)
+    placed = [p for p in job_pods if p.spec.node_name]
+    assert placed and all(p.spec.node_name in gpu_nodes for p in placed)
     start_workers = st["workers"]
     assert start_workers == len(gpu_nodes) == 4, st
+    # The other two pods wait for a node (the job's unmet demand), saying why.
+    assert len(job_pods) == 6 and all(p.status.phase == "Pending" for p in job_pods
+                                      if not p.spec.node_name)
+    _wait("the Schedulable condition", lambda: (condition(custom, namespace, "elastic",
+                                                          "Schedulable") or {}).get(
+        "reason") == "Unschedulable", timeout=30)
     table = kubectl("get", "dynatrainjobs", "-n", namespace).stdout
     for column in ("PHASE", "LAYOUT", "WORKERS", "STEP", "LOSS", "LAST SWITCH", "AGE"):
         assert column in table

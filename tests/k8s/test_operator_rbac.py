@@ -153,7 +153,7 @@ def test_every_request_of_the_operator_is_granted_and_no_more(devcluster, namesp
     # In a namespace the release knows nothing of: the chart's operator serves them all.
     assert _denied(kubeconfig, all_requests(), namespace) == []
     # ... and the token is no admin's: some of what the operator never does.
-    never = [("delete", "dynatrain.io", "dynatrainjobs", "", JOBS),
+    never = [("create", "dynatrain.io", "dynatrainjobs", "", JOBS),
              ("list", "", "secrets", "", JOBS), ("update", "", "pods", "", JOBS),
              ("create", "", "pods", "exec", JOBS), ("patch", "", "nodes", "", CLUSTER),
              # the scale subresource is the user's (kubectl scale), never the operator's

@@ -201,3 +201,38 @@ def test_delete_and_recreate_with_the_same_name_starts_clean(devcluster, kubectl
     pods = [p for p in job_pods(core, namespace, "again") if p.metadata.deletion_timestamp is None]
     assert pods and all(p.metadata.owner_references[0].uid == new_uid for p in pods)
     kubectl("delete", "dynatrainjob", "again", "-n", namespace, "--wait=false")
+
+
+def test_a_finished_job_is_complete_for_kubectl_wait_and_deleted_after_its_ttl(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    doc = job("brief", gpus=1, max_workers=2)
+    doc["spec"]["training"]["steps"] = 6
+    apply(kubectl, namespace, tmp_path, doc)
+    running = wait("the Running condition", lambda: (
+        lambda c: c if c and c["status"] == "True" else None)(
+        condition(custom, namespace, "brief", "Running")), timeout=120)
+    assert running["reason"] in ("Running", "Switching"), running
+    # What a pipeline waits on, as it would for a batch Job.
+    out = kubectl("wait", "--for=condition=Complete", "dynatrainjob/brief", "-n", namespace,
+                  "--timeout=120s", check=False)
+    assert out.returncode == 0, out.stderr
+    st = get(custom, namespace, "brief")["status"]
+    assert st["phase"] == "Succeeded" and st["step"] == 6, st
+    assert st["startTime"] <= st["completionTime"], st
+    assert condition(custom, namespace, "brief", "Running")["status"] == "False"
+    assert condition(custom, namespace, "brief", "Running")["reason"] == "Succeeded"
+    wait("its pods to be deleted", lambda: not job_pods(core, namespace, "brief"), timeout=60)
+    # Kept until a TTL is set (it may be set after the end), then deleted once it passes.
+    time.sleep(2)
+    assert get(custom, namespace, "brief")["status"]["phase"] == "Succeeded"
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "brief",
+                                          {"spec": {"ttlSecondsAfterFinished": 3}})
+
+    def gone():
+        try:
+            get(custom, namespace, "brief")
+        except client.exceptions.ApiException as e:
+            return e.status == 404
+        return False
+    wait("the job to be deleted after its TTL", gone, timeout=60)

@@ -1,5 +1,5 @@
 """A job on a shared GPU cluster's terms: a tainted, labelled pool chosen by the job's pod
-template, and capacity decided by the real kube-scheduler.
+template, capacity decided by the real kube-scheduler, and priority preemption by it.
 
 The pool is two simulated nodes added for this test (tainted ``nvidia.com/gpu:NoSchedule``,
 labelled with a GPU product), two GPUs each. The job tolerates the taint and selects the pool
@@ -22,11 +22,17 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 PRODUCT = "NVIDIA-A100-SXM4-40GB"
 
 
-def _pool(first: int, pool: str) -> NodePool:
-    return NodePool(count=1, gpus_per_node=2, name_prefix="tainted", first_index=first,
+def _pool(first: int, pool: str, prefix: str = "tainted") -> NodePool:
+    return NodePool(count=1, gpus_per_node=2, name_prefix=prefix, first_index=first,
                     instance_type="p4d.24xlarge",
                     labels={"nvidia.com/gpu.product": PRODUCT, "dynatrain.io/test-pool": pool},
                     taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
+
+
+def _placement(pool: str) -> dict:
+    return {"nodeSelector": {"nvidia.com/gpu.product": PRODUCT, "dynatrain.io/test-pool": pool},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                             "effect": "NoSchedule"}]}
 
 
 def _templated(name: str, pool: str) -> dict:
@@ -98,6 +104,11 @@ def test_a_tainted_pool_chosen_by_the_template_and_capacity_from_the_scheduler(
         assert p.spec.automount_service_account_token is False
         assert p.spec.security_context.fs_group_change_policy == "OnRootMismatch"
         assert "Unschedulable" in [e.reason for e in events(core, namespace, name)]
+        # The pool's GPU labels price the job: A100 40 GB, not the H100 a GPU job once was.
+        hw = wait("the Hardware condition", lambda: condition(custom, namespace, name,
+                                                              "Hardware"), timeout=30)
+        assert (hw["status"], hw["reason"]) == ("True", "FromNodeLabels"), hw
+        assert get(custom, namespace, name)["status"]["hardware"] == "a100-40gb"
 
         # A second node joins the pool: the waiting pod runs there, the job grows live.
         nodes += add_nodes(core, _pool(1, pool))
@@ -116,3 +127,78 @@ def test_a_tainted_pool_chosen_by_the_template_and_capacity_from_the_scheduler(
         wait("the job's pods to go", lambda: not job_pods(core, namespace, name), timeout=60)
         for n in nodes:
             delete_node(core, n)
+
+
+def test_a_higher_priority_pod_preempts_a_worker_through_the_scheduler(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    # The main way a shared cluster takes GPUs back: kube-scheduler evicts a lower-priority
+    # pod for a higher one (DisruptionTarget, reason PreemptionByScheduler, then a graceful
+    # deletion). The job shrinks live, its replacement pod waits, and it grows back when the
+    # capacity returns: no failure, no step trained twice, every sample read once.
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    sched = client.SchedulingV1Api(devcluster.api_client())
+    pool, name = namespace, "yielding"
+    low, high = f"{namespace}-low", f"{namespace}-high"
+    for cls, value in ((low, 100), (high, 100000)):
+        sched.create_priority_class(client.V1PriorityClass(
+            metadata=client.V1ObjectMeta(name=cls), value=value))
+    nodes = add_nodes(core, _pool(0, pool, prefix="prio"))
+    try:
+        doc = job(name, gpus=1, max_workers=2)
+        doc["spec"]["template"] = {"spec": {**_placement(pool), "priorityClassName": low}}
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text(yaml.safe_dump(doc))
+        kubectl("apply", "-n", namespace, "-f", str(manifest))
+
+        def on(workers):
+            def check():
+                st = get(custom, namespace, name).get("status", {})
+                return st if st.get("phase") == "Running" and st.get("workers") == workers \
+                    else None
+            return check
+        wait("the job on both GPUs of the pool", on(2), timeout=150)
+        assert all(p.spec.priority == 100 for p in job_pods(core, namespace, name))
+
+        core.create_namespaced_pod(namespace, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "urgent"},
+            "spec": {**_placement(pool), "priorityClassName": high,
+                     "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "main", "image": "unused",
+                                     "command": ["sleep", "3600"],
+                                     "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+
+        def preempted():
+            st = get(custom, namespace, name).get("status", {})
+            last = st.get("lastSwitch", {})
+            return st if last.get("reason") == "preemption" and st.get("workers") == 1 \
+                else None
+        st = wait("a live shrink for the scheduler's preemption", preempted, timeout=120)
+        assert st["lastSwitch"]["result"] == "success" and st["lastSwitch"]["pauseSeconds"] > 0
+        wait("the urgent pod to run", lambda: core.read_namespaced_pod(
+            "urgent", namespace).status.phase == "Running", timeout=90)
+        why = [e.message for e in events(core, namespace, name) if e.reason == "Preemption"]
+        assert why and any("PreemptionByScheduler" in m or "pod deleted" in m for m in why), why
+        wait("the replacement pod to wait for the GPU", lambda: (
+            condition(custom, namespace, name, "Schedulable") or {}).get(
+            "reason") == "Unschedulable", timeout=60)
+
+        core.delete_namespaced_pod("urgent", namespace)
+        st = wait("the job to grow back", on(2), timeout=150)
+        assert st["lastSwitch"]["reason"] == "scale-up", st["lastSwitch"]
+        reasons = [e.reason for e in events(core, namespace, name)]
+        assert "WorkerLost" not in reasons and "Recovered" not in reasons, reasons
+
+        def audited():
+            data = get(custom, namespace, name).get("status", {}).get("data", {})
+            return data if data.get("auditedStep", 0) > st["lastSwitch"]["step"] + 2 else None
+        data = wait("the data audit past the regrowth", audited, timeout=90)
+        assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
+    finally:
+        kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false", check=False)
+        kubectl("delete", "pod", "urgent", "-n", namespace, "--wait=false",
+                "--ignore-not-found", check=False)
+        wait("the job's pods to go", lambda: not job_pods(core, namespace, name), timeout=60)
+        for n in nodes:
+            delete_node(core, n)
+        for cls in (low, high):
+            sched.delete_priority_class(cls)
