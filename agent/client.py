@@ -129,7 +129,8 @@ class AgentClient:
                 old_devices: Sequence[int] = (), recover: bool = False,
                 restore_step: int = 0, failed_devices: Sequence[int] = (),
                 proxies: dict[int, int] | None = None,
-                checkpoint: str = "") -> agent_pb2.PrepareResponse:
+                checkpoint: str = "",
+                device_nodes: Sequence[str] = ()) -> agent_pb2.PrepareResponse:
         """Start preparing ``generation``; returns once the agent accepted it. ``recover``
         (with the failed devices, the snapshot step and the mirrors' proxies) recovers from a
         failure; ``checkpoint`` starts the generation from a DCP checkpoint."""
@@ -139,7 +140,8 @@ class AgentClient:
             staging_bytes=staging_bytes, timeout_seconds=timeout_s, reason=reason,
             old_layout=old_layout, old_devices=list(old_devices), recover=recover,
             restore_step=restore_step, failed_devices=list(failed_devices),
-            proxies=dict(proxies or {}), checkpoint=checkpoint), self.timeout_s)
+            proxies=dict(proxies or {}), checkpoint=checkpoint,
+            device_nodes=list(device_nodes)), self.timeout_s)
 
     def commit(self, generation: int, at_step: int = 0,
                timeout_s: float = 0) -> agent_pb2.CommitResponse:

@@ -65,7 +65,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import grpc
@@ -94,6 +94,8 @@ MAX_TIMEOUT_S = 3600.0
 MAX_STAGING_BYTES = 64 << 30
 """Largest staging budget (64 GiB) a Prepare may ask a device to allocate."""
 MAX_DEVICES_PER_NODE = 1024
+MAX_NODE_NAME = 253
+"""A node's name is a DNS subdomain."""
 MAX_WORLD = 65536
 """Most entries of devices, old_devices, failed_devices and proxies."""
 MAX_TEXT = 4096
@@ -193,7 +195,8 @@ class Control(Protocol):
     def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
                 rendezvous: str, devices_per_node: int, staging_bytes: int,
                 timeout_s: float, *, reason: str = "", old_layout: Layout | None = None,
-                recovery: Recovery | None = None, checkpoint: str = "") -> None:
+                recovery: Recovery | None = None, checkpoint: str = "",
+                nodes: dict[int, str] | None = None) -> None:
         """Start preparing ``generation`` (newer than any this agent has seen) in the background.
 
         Must return at once; Status reports ``prepared_ready`` (or ``prepared_error``) later.
@@ -384,6 +387,8 @@ class PrepareArgs:
     """With its devices; None for the job's first generation."""
     recovery: Recovery | None = None
     checkpoint: str = ""
+    nodes: dict[int, str] = field(default_factory=dict)
+    """device -> the node it runs on (``device_nodes``); empty: unknown."""
 
 
 @dataclass(frozen=True)
@@ -404,7 +409,10 @@ def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
                          rendezvous=req.rendezvous, reason=req.reason,
                          checkpoint=req.checkpoint)
             + [(name, len(getattr(req, name)), MAX_WORLD, "entries", "MAX_WORLD")
-               for name in ("devices", "old_devices", "failed_devices", "proxies")]
+               for name in ("devices", "old_devices", "failed_devices", "proxies",
+                            "device_nodes")]
+            + [("device_nodes", max(map(len, req.device_nodes), default=0), MAX_NODE_NAME,
+                "characters", "MAX_NODE_NAME")]
             + [("devices_per_node", req.devices_per_node, MAX_DEVICES_PER_NODE, "devices",
                 "MAX_DEVICES_PER_NODE"),
                ("staging_bytes", req.staging_bytes, MAX_STAGING_BYTES, "bytes",
@@ -427,6 +435,12 @@ def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
                         "its own device")
     if (why := check_rendezvous(req.rendezvous)) is not None:
         problems.append(why)
+    nodes = dict(zip(devices, req.device_nodes))
+    if req.device_nodes and (len(req.device_nodes) != len(devices)
+                             or not all(req.device_nodes)):
+        problems.append(f"device_nodes lists {len(req.device_nodes)} node names for "
+                        f"{len(devices)} devices (empty ones included); give one per device, "
+                        "or none")
     timeout_s = _finite_timeout("timeout_seconds", req.timeout_seconds,
                                 DEFAULT_PREPARE_TIMEOUT_S, problems)
     old = None
@@ -460,7 +474,8 @@ def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
         generation=req.generation, layout=layout, devices=devices, rendezvous=req.rendezvous,
         devices_per_node=req.devices_per_node or DEFAULT_DEVICES_PER_NODE,
         staging_bytes=req.staging_bytes or DEFAULT_STAGING_BYTES, timeout_s=timeout_s,
-        reason=req.reason, old_layout=old, recovery=recovery, checkpoint=req.checkpoint)
+        reason=req.reason, old_layout=old, recovery=recovery, checkpoint=req.checkpoint,
+        nodes=nodes)
 
 
 def _check_recovery(req, old_devices: tuple[int, ...], devices: tuple[int, ...],
@@ -566,7 +581,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             self.control.prepare(a.generation, a.layout, a.devices, a.rendezvous,
                                  a.devices_per_node, a.staging_bytes, a.timeout_s,
                                  reason=a.reason, old_layout=a.old_layout,
-                                 recovery=a.recovery, checkpoint=a.checkpoint)
+                                 recovery=a.recovery, checkpoint=a.checkpoint,
+                                 nodes=a.nodes)
             return agent_pb2.PrepareResponse(generation=a.generation)
         return self._run("Prepare", context, call, agent_pb2.PrepareResponse)
 

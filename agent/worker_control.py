@@ -91,6 +91,8 @@ class Pending:
     old_layout: Layout | None = None
     recovery: Recovery | None = None
     checkpoint: str = ""
+    nodes: dict[int, str] = field(default_factory=dict)
+    """device -> node (the Prepare's ``device_nodes``): where the mirrors go."""
     aborted: bool = False
     commit_at: int | None = None
     """None until committed; 0 = agreed boundary; else the step counter to switch at."""
@@ -160,7 +162,8 @@ class WorkerControl:
     def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
                 rendezvous: str, devices_per_node: int, staging_bytes: int, timeout_s: float,
                 reason: str = "", old_layout: Layout | None = None,
-                recovery: Recovery | None = None, checkpoint: str = "") -> None:
+                recovery: Recovery | None = None, checkpoint: str = "",
+                nodes: dict[int, str] | None = None) -> None:
         """``old_layout`` (with its devices) is the world the switch starts from; None for the
         job's first generation. Joiners learn it here; members check it against their own.
         A ``recovery`` abandons the running generation at once (its collectives are cut short)
@@ -251,7 +254,8 @@ class WorkerControl:
                                           if self.torch_device.type == "cpu" else None))
         with self.lock:
             self.pending = Pending(generation, layout, reason, future, timeout_s, staging_bytes,
-                                    devices_per_node, old, recovery, checkpoint)
+                                    devices_per_node, old, recovery, checkpoint,
+                                    dict(nodes or {}))
 
     def _check_can_prepare(self, generation: int, devices: tuple[int, ...], checkpoint: str,
                            old_layout: Layout | None, *, abandoning: bool) -> None:

@@ -234,7 +234,8 @@ class Worker(WorkerControl):
                 # mirrors to the buddy when the job asks for them.
                 redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
                                         mirror_group, mirror=mirror_group is not None,
-                                        ranks_per_node=p.devices_per_node, wait=abandon.wait)
+                                        ranks_per_node=p.nodes or p.devices_per_node,
+                                        wait=abandon.wait)
                 redundancy.snapshot(trainer.local_state())   # a failure now restores here
         except Exception as e:      # TransitionError, GenerationAbandoned, anything else
             # The switch did not happen here; the snapshots taken before it still hold (a

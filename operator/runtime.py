@@ -665,6 +665,9 @@ class JobRuntime:
         if not self.over:
             self._scale(workers, nodes)
         c = self.controller
+        # Where each worker runs (a pod never moves): the workers put each rank's mirror on
+        # another node, so that losing a node loses no state that is not also elsewhere.
+        c.device_nodes.update({w.device: w.node for w in workers.values() if w.node})
         self._price(workers, nodes)
         if not self.adopted:
             if not self._ready_to_start(workers):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("generation", "layout", "devices", "rendezvous", "devices_per_node", "staging_bytes", "timeout_seconds", "reason", "old_layout", "old_devices", "recover", "restore_step", "failed_devices", "proxies", "checkpoint")
+    __slots__ = ("generation", "layout", "devices", "rendezvous", "devices_per_node", "staging_bytes", "timeout_seconds", "reason", "old_layout", "old_devices", "recover", "restore_step", "failed_devices", "proxies", "checkpoint", "device_nodes")
     class ProxiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class PrepareRequest(_message.Message):
     FAILED_DEVICES_FIELD_NUMBER: _ClassVar[int]
     PROXIES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NODES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     layout: str
     devices: _containers.RepeatedScalarFieldContainer[int]
@@ -46,7 +47,8 @@ class PrepareRequest(_message.Message):
     failed_devices: _containers.RepeatedScalarFieldContainer[int]
     proxies: _containers.ScalarMap[int, int]
     checkpoint: str
-    def __init__(self, generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., devices_per_node: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., old_layout: _Optional[str] = ..., old_devices: _Optional[_Iterable[int]] = ..., recover: _Optional[bool] = ..., restore_step: _Optional[int] = ..., failed_devices: _Optional[_Iterable[int]] = ..., proxies: _Optional[_Mapping[int, int]] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+    device_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., devices_per_node: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., old_layout: _Optional[str] = ..., old_devices: _Optional[_Iterable[int]] = ..., recover: _Optional[bool] = ..., restore_step: _Optional[int] = ..., failed_devices: _Optional[_Iterable[int]] = ..., proxies: _Optional[_Mapping[int, int]] = ..., checkpoint: _Optional[str] = ..., device_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("generation",)

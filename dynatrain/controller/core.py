@@ -89,6 +89,9 @@ class JobController:
         self.switches: list[SwitchRecord] = []
         self.progress = Progress()
         self._seen: dict[int, int] = {}
+        self.device_nodes: dict[int, str] = {}
+        """device -> the node it runs on, where the front end knows it (a cluster's pods'
+        ``spec.nodeName``): a rank's mirror goes to another node. A device never moves."""
         self.failed: set[int] = set()
         """Devices of the running layout that died without notice (recovery pending)."""
         self.lost: list[int] = []
@@ -544,7 +547,8 @@ class JobController:
         try:
             return switch(dict(self.clients), generation, old, new, self.rendezvous,
                           reason=reason, timeouts=self.timeouts,
-                          devices_per_node=self.devices_per_node, watch=self._watch, **kw)
+                          devices_per_node=self.devices_per_node, watch=self._watch,
+                          device_nodes=dict(self.device_nodes), **kw)
         except SwitchFailed:
             for d, why in self._exits_in_switch.items():      # they left nothing behind
                 if d in self.members and d not in self.failed:

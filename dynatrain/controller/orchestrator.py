@@ -117,11 +117,14 @@ class Restore:
 def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None, new: Layout,
            rendezvous: str, *, reason: str, timeouts: Timeouts = Timeouts(),
            devices_per_node: int = 8, staging_bytes: int = 0, restore: Restore | None = None,
-           checkpoint: str = "", watch=None) -> SwitchRecord:
+           checkpoint: str = "", watch=None,
+           device_nodes: dict[int, str] | None = None) -> SwitchRecord:
     """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``.
 
     ``restore`` makes it a recovery (the old generation failed; its failed devices take no
     part); ``checkpoint`` (with ``old=None``) starts ``new`` from a checkpoint.
+    ``device_nodes`` (device -> node, where known for every device of ``new``) tells the
+    workers where their mirrors go.
 
     ``watch(phase)`` is called about every 0.1 s while the switch waits (``phase`` is
     ``"prepare"`` or ``"commit"``): the caller takes in the signals that arrived meanwhile.
@@ -133,6 +136,9 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
         raise SwitchFailed(f"no agent for devices {missing}", retryable=False)
     record = SwitchRecord(generation, old.to_text() if old else "", new.to_text(), reason,
                           old.world if old else 0, new.world)
+    known = device_nodes or {}
+    nodes = ([known[d] for d in new.device_of]
+             if all(d in known for d in new.device_of) else [])
 
     def prepare(d):
         return clients[d].prepare(
@@ -143,7 +149,8 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
             old_devices=list(old.device_of) if old else [], recover=restore is not None,
             restore_step=restore.step if restore else 0,
             failed_devices=list(restore.failed) if restore else [],
-            proxies=restore.proxies if restore else None, checkpoint=checkpoint)
+            proxies=restore.proxies if restore else None, checkpoint=checkpoint,
+            device_nodes=nodes)
 
     t0 = time.monotonic()
     errors = [(d, r) for d, r in zip(members, _fan_out(prepare, members))

@@ -21,6 +21,12 @@ if TYPE_CHECKING:  # the CLI's --help imports this module without the client ins
 
 GPU_RESOURCE = "nvidia.com/gpu"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_PRODUCTS = {"p5.48xlarge": "NVIDIA-H100-80GB-HBM3", "p5e.48xlarge": "NVIDIA-H200",
+                "p4d.24xlarge": "NVIDIA-A100-SXM4-40GB", "p4de.24xlarge": "NVIDIA-A100-SXM4-80GB",
+                "g6e.48xlarge": "NVIDIA-L40S", "g6.48xlarge": "NVIDIA-L4"}
+"""The GPU of a cloud instance type, as NVIDIA's GPU feature discovery labels a node of it:
+a GPU pool's nodes carry that label unless the pool's ``labels`` set one."""
 NODE_INDEX_LABEL = "dynatrain.io/node-index"
 # kwok is started with --manage-nodes-with-annotation-selector on this
 # annotation (the kwok convention), so that a real node joined to the same
@@ -111,6 +117,8 @@ def build_node_manifest(pool: NodePool, index: int) -> dict:
         NODE_INDEX_LABEL: str(index),
         **pool.labels,
     }
+    if pool.gpus_per_node and pool.instance_type in GPU_PRODUCTS:
+        labels.setdefault(GPU_PRODUCT_LABEL, GPU_PRODUCTS[pool.instance_type])
     return {
         "apiVersion": "v1",
         "kind": "Node",

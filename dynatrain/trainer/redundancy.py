@@ -17,14 +17,18 @@ every mirror of step s has arrived everywhere, while own snapshots of s and s+1 
 
 Buddies are a rotation over the ranks ordered by node, so the map is a permutation (everyone
 sends one message and receives one) and, whenever no node holds more than half the ranks, a
-rank's mirror lives on another node: losing a whole node never loses both copies. Every
+rank's mirror lives on another node: losing a whole node never loses both copies. The node of
+a device is where it really runs when that is known (:data:`Nodes`: device -> node name, from
+the pods' ``spec.nodeName`` on a cluster), else ``device // ranks_per_node``. Every
 decision here reads only layout metadata, so all ranks derive the same pairs without talking.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -42,22 +46,38 @@ _TAG = 0x5EDA
 
 
 # -- pure metadata: who mirrors whom, what is unique -----------------------------------------
-def buddy_map(layout: Layout, ranks_per_node: int = 1) -> tuple[int, ...]:
+Nodes = Union[int, Mapping[int, str]]
+"""Where devices run: ranks per node (node = device // it), or device -> node name. A device
+missing from a mapping counts as a node of its own."""
+
+
+def node_of(nodes: Nodes, device: int):
+    """The node of ``device`` under ``nodes`` (comparable with every other device's)."""
+    if isinstance(nodes, int):
+        return str(device // nodes).zfill(12)
+    return nodes.get(device, f"\x00device-{device}")
+
+
+def buddy_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
     """``buddy[r]``: the rank that mirrors rank ``r``'s unique state. A permutation.
 
-    Ranks are ordered by (node, device), node = device // ranks_per_node, and rotated by the
-    size of the largest node: two ranks that far apart in that order are on different nodes
-    whenever no node holds more than half the ranks. With one node (or a node holding every
-    rank) the rotation is by one, so each rank still mirrors to another device.
+    Ranks are ordered by (node, device) (:func:`node_of`) and rotated by the size of the
+    largest node: two ranks that far apart in that order are on different nodes whenever no
+    node holds more than half the ranks. With one node (or a node holding every rank) the
+    rotation is by one, so each rank still mirrors to another device.
     """
-    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
+    if isinstance(ranks_per_node, bool) or (isinstance(ranks_per_node, int)
+                                            and ranks_per_node < 1) \
+            or not isinstance(ranks_per_node, (int, Mapping)):
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer or "
+                         "a mapping of device to node")
     world = layout.world
     devices = layout.device_of
-    order = sorted(range(world), key=lambda r: (devices[r] // ranks_per_node, devices[r]))
-    per_node: dict[int, int] = {}
+    order = sorted(range(world), key=lambda r: (node_of(ranks_per_node, devices[r]), devices[r]))
+    per_node: dict = {}
     for d in devices:
-        per_node[d // ranks_per_node] = per_node.get(d // ranks_per_node, 0) + 1
+        n = node_of(ranks_per_node, d)
+        per_node[n] = per_node.get(n, 0) + 1
     k = max(per_node.values())
     if k >= world:
         k = 1
@@ -67,7 +87,7 @@ def buddy_map(layout: Layout, ranks_per_node: int = 1) -> tuple[int, ...]:
     return tuple(buddy)
 
 
-def source_map(layout: Layout, ranks_per_node: int = 1) -> tuple[int, ...]:
+def source_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
     """``source[r]``: the rank whose unique state rank ``r`` mirrors (the inverse of buddies)."""
     buddy = buddy_map(layout, ranks_per_node)
     source = [0] * len(buddy)
@@ -98,7 +118,7 @@ def unique_shards(bound: BoundLayout, rank: int) -> list[RankShard]:
             if rs.pieces and _replica_count(bound, rs) == 1]
 
 
-def recovery_needs(bound: BoundLayout, dead_devices, ranks_per_node: int = 1
+def recovery_needs(bound: BoundLayout, dead_devices, ranks_per_node: Nodes = 1
                    ) -> dict[int, int | None]:
     """Which surviving device must supply the mirror of each dead device.
 
@@ -213,7 +233,7 @@ class Redundancy:
     """
 
     def __init__(self, bound: BoundLayout, rank: int, group, *, mirror: bool = True,
-                 ranks_per_node: int = 1, wait=None):
+                 ranks_per_node: Nodes = 1, wait=None):
         lay = bound.layout
         if not 0 <= rank < lay.world:
             raise ValueError(f"rank={rank} is not a rank of {lay.to_text()} (world {lay.world})")

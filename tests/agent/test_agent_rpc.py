@@ -98,8 +98,9 @@ class StepControl:
 
     def prepare(self, generation, layout, devices, rendezvous, devices_per_node,
                 staging_bytes, timeout_s, reason="", old_layout=None, recovery=None,
-                checkpoint=""):
+                checkpoint="", nodes=None):
         self._enter("prepare")
+        self.nodes = nodes
         with self.cond:
             if generation != self.generation + 1:
                 raise PreconditionFailed(f"generation={generation} is stale; the agent is at "
@@ -359,6 +360,9 @@ def test_garbage_payload_is_invalid_argument(agent, control, method):
     (dict(timeout_s=float("nan")), "timeout_seconds"),
     (dict(timeout_s=float("inf")), "timeout_seconds"),
     (dict(generation=0), "generation"),
+    (dict(device_nodes=["node-a"]), "device_nodes"),
+    (dict(device_nodes=["a", "b", "", "c"]), "device_nodes"),
+    (dict(device_nodes=["n" * 254, "a", "b", "c"]), "device_nodes"),
 ])
 def test_malformed_prepare_is_invalid_argument(client, control, change, field):
     code, details = _code(lambda: client.prepare(**{**GOOD_PREPARE, **change}))
@@ -601,6 +605,10 @@ def test_old_layout_is_checked_and_bound_to_its_devices():
                                                   old_devices=[3, 1, 0, 2], reason="scale-up"))
     assert args.old_layout.device_of == (3, 1, 0, 2) and args.reason == "scale-up"
     assert check_prepare(agent_pb2.PrepareRequest(**base)).old_layout is None
+    # Where each device runs, for the mirrors; none given: unknown.
+    assert check_prepare(agent_pb2.PrepareRequest(**base, device_nodes=["n1", "n2"])).nodes \
+        == {0: "n1", 1: "n2"}
+    assert check_prepare(agent_pb2.PrepareRequest(**base)).nodes == {}
     for bad, needle in [(dict(old_layout="tp=2", old_devices=[0]), "old_devices"),
                         (dict(old_layout="tp=two", old_devices=[0, 1]), "old_layout"),
                         (dict(old_devices=[0, 1]), "without old_layout"),

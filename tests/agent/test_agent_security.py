@@ -166,7 +166,8 @@ class GateControl:
         self._lock = threading.Lock()
 
     def prepare(self, generation, layout, devices, rendezvous, devices_per_node, staging_bytes,
-                timeout_s, reason="", old_layout=None, recovery=None, checkpoint=""):
+                timeout_s, reason="", old_layout=None, recovery=None, checkpoint="",
+                nodes=None):
         self.prepared.append((generation, rendezvous))
 
     def commit(self, generation, at_step, timeout_s):

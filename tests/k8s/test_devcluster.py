@@ -77,8 +77,11 @@ def test_nodes_ready_with_gpu_capacity(devcluster, core):
         assert node.status.allocatable[dn.GPU_RESOURCE] == str(gpu_pool.gpus_per_node)
         assert node.metadata.labels[dn.NODE_INDEX_LABEL] == str(index)
         assert node.metadata.labels[dn.INSTANCE_TYPE_LABEL] == "p5.48xlarge"
+        # as GPU feature discovery labels a p5 node
+        assert node.metadata.labels[dn.GPU_PRODUCT_LABEL] == "NVIDIA-H100-80GB-HBM3"
     cpu_node = nodes["cpu-node-0"]
     assert dn.node_is_ready(cpu_node)
+    assert dn.GPU_PRODUCT_LABEL not in cpu_node.metadata.labels
     assert dn.GPU_RESOURCE not in cpu_node.status.allocatable
     assert cpu_node.status.allocatable["cpu"] == "16"
 

@@ -1,5 +1,6 @@
 """A job on a shared GPU cluster's terms: a tainted, labelled pool chosen by the job's pod
-template, capacity decided by the real kube-scheduler, and priority preemption by it.
+template, capacity decided by the real kube-scheduler, priority preemption by it, and the
+workers' real nodes deciding where their in-memory mirrors go.
 
 The pool is two simulated nodes added for this test (tainted ``nvidia.com/gpu:NoSchedule``,
 labelled with a GPU product), two GPUs each. The job tolerates the taint and selects the pool
@@ -16,7 +17,7 @@ import yaml
 from kubernetes import client
 
 from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
-from operator_process import condition, events, get, job, job_pods, wait
+from operator_process import agent_client, condition, events, get, job, job_pods, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 PRODUCT = "NVIDIA-A100-SXM4-40GB"
@@ -202,3 +203,78 @@ def test_a_higher_priority_pod_preempts_a_worker_through_the_scheduler(
             delete_node(core, n)
         for cls in (low, high):
             sched.delete_priority_class(cls)
+
+
+def test_mirrors_live_on_another_node_and_a_lost_node_is_recovered_from_memory(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    # Two nodes of two GPUs, four one-GPU workers: two per node, device ids as the scheduler
+    # happened to place them. Every layout of the job (ZeRO-1 only) gives each rank unique
+    # optimizer state, which survives a loss only in its mirror. The mirrors must follow the
+    # real nodes (spec.nodeName), not a guess from device ids, or losing a node loses both.
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    pool, name = namespace, "spread"
+    nodes = add_nodes(core, NodePool(
+        count=2, gpus_per_node=2, name_prefix="mirror", instance_type="p4d.24xlarge",
+        labels={"nvidia.com/gpu.product": PRODUCT, "dynatrain.io/test-pool": pool},
+        taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),)))
+    try:
+        doc = job(name, gpus=1, max_workers=4)
+        doc["spec"]["parallelism"] = {"mode": "auto", "limits": {"zeroStages": [1]}}
+        doc["spec"]["template"] = {"spec": _placement(pool)}
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text(yaml.safe_dump(doc))
+        kubectl("apply", "-n", namespace, "-f", str(manifest))
+
+        def four():
+            st = get(custom, namespace, name).get("status", {})
+            return st if st.get("phase") == "Running" and st.get("workers") == 4 \
+                and st.get("step", 0) >= 3 else None
+        wait("the job on 4 workers over 2 nodes", four, timeout=150)
+        pods = {int(p.metadata.labels["dynatrain.io/device"]): p
+                for p in job_pods(core, namespace, name)}
+        node_of = {d: p.spec.node_name for d, p in pods.items()}
+        assert sorted(node_of.values()) == sorted(nodes * 2), node_of
+
+        def mirrors():
+            out = {}
+            for d, p in pods.items():
+                c = agent_client(core, namespace, name, p)
+                try:
+                    st = c.status(since_step=1 << 62)
+                finally:
+                    c.close()
+                if st.mirror_of < 0 or not st.mirror_steps:
+                    return None
+                out[d] = st.mirror_of
+            return out
+        mirror_of = wait("every worker to hold a mirror", mirrors, timeout=60)
+        assert sorted(mirror_of.values()) == sorted(pods), mirror_of
+        assert all(node_of[src] != node_of[d] for d, src in mirror_of.items()), \
+            (mirror_of, node_of)
+
+        lost = nodes[0]
+        delete_node(core, lost)                        # the machine is gone, without notice
+
+        def recovered():
+            st = get(custom, namespace, name).get("status", {})
+            last = st.get("lastSwitch", {})
+            return st if last.get("reason") in ("failure", "preemption") \
+                and st.get("workers") == 2 else None
+        st = wait(f"a recovery from the loss of {lost}", recovered, timeout=120)
+        assert st["lastSwitch"]["result"] == "success", st["lastSwitch"]
+        # No checkpoint exists (the job has none): the state came from the mirrors.
+        assert "checkpoint" not in doc["spec"]
+        wait("training to go on", lambda: get(custom, namespace, name)["status"].get(
+            "step", 0) > st["lastSwitch"]["step"] + 2, timeout=90)
+        assert get(custom, namespace, name)["status"]["phase"] == "Running"
+    finally:
+        kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false", check=False)
+        wait("the job's pods to go", lambda: not [
+            p for p in job_pods(core, namespace, name) if p.spec.node_name != nodes[0]],
+            timeout=60)
+        for n in nodes:
+            try:
+                delete_node(core, n)
+            except client.exceptions.ApiException as e:
+                if e.status != 404:
+                    raise

@@ -63,6 +63,33 @@ def test_buddies_follow_devices_not_rank_numbers():
     assert all(nodes[buddy[r]] != nodes[r] for r in range(14))
 
 
+@pytest.mark.parametrize("placement", [
+    # device -> node as a scheduler placed them: device ids say nothing about nodes
+    {0: "a", 1: "a", 2: "b", 3: "b"},
+    {0: "a", 1: "b", 2: "a", 3: "b"},
+    {5: "x", 9: "x", 2: "y", 7: "z"},
+    {0: "a", 1: "b", 2: "b", 3: "c", 4: "c", 5: "a"},
+])
+def test_buddies_follow_the_real_nodes_of_the_devices(placement):
+    devices = sorted(placement)
+    lay = parse_layout(f"dp={len(devices)}").with_devices(devices)
+    buddy = buddy_map(lay, placement)
+    assert sorted(buddy) == list(range(len(devices)))
+    nodes = [placement[d] for d in lay.device_of]
+    assert all(nodes[buddy[r]] != nodes[r] for r in range(len(devices))), (buddy, nodes)
+    # What the old guess (device // 8: all on one node) made of the first placement: device 0
+    # mirrored on device 1, the same real node, so losing node "a" lost both copies.
+    if placement == {0: "a", 1: "a", 2: "b", 3: "b"}:
+        guessed = buddy_map(lay, 8)
+        assert nodes[guessed[0]] == nodes[0]
+    # ZeRO-1: every rank holds a unique optimizer shard. A whole node lost is recoverable.
+    cfg = make_config("gpt-tiny", f"dp={len(devices)},zero=1", global_batch_size=12, seq_len=16)
+    bound = bind(cfg.layout.with_devices(devices), cfg.model)
+    lost = [d for d in devices if placement[d] == placement[devices[0]]]
+    needs = recovery_needs(bound, lost, placement)
+    assert set(needs) == set(lost) and None not in needs.values(), needs
+
+
 def test_bad_ranks_per_node_is_named():
     with pytest.raises(ValueError, match="ranks_per_node=0"):
         buddy_map(parse_layout("dp=2"), 0)
