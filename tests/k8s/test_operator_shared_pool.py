@@ -207,23 +207,36 @@ def test_a_higher_priority_pod_preempts_a_worker_through_the_scheduler(
 
 def test_mirrors_live_on_another_node_and_a_lost_node_is_recovered_from_memory(
         devcluster, kubectl, namespace, operator, tmp_path):
-    # Two nodes of two GPUs, four one-GPU workers: two per node, device ids as the scheduler
-    # happened to place them. Every layout of the job (ZeRO-1 only) gives each rank unique
-    # optimizer state, which survives a loss only in its mirror. The mirrors must follow the
-    # real nodes (spec.nodeName), not a guess from device ids, or losing a node loses both.
+    # Two nodes of two GPUs, four one-GPU workers, two per node. Every layout of the job
+    # (ZeRO-1 only) gives each rank unique optimizer state, which survives a loss only in
+    # its mirror. The mirrors must follow the real nodes (spec.nodeName), not a guess from
+    # device ids, or losing a node loses both copies. The job runs 2 workers on the first
+    # node, then the second joins and it is scaled to 4, so devices 0 and 1 share one node
+    # and 2 and 3 the other: the old guess
+    # (device // 8, all on one node) paired device 0 with device 1.
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     pool, name = namespace, "spread"
-    nodes = add_nodes(core, NodePool(
-        count=2, gpus_per_node=2, name_prefix="mirror", instance_type="p4d.24xlarge",
-        labels={"nvidia.com/gpu.product": PRODUCT, "dynatrain.io/test-pool": pool},
-        taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),)))
+
+    def node(index):
+        return add_nodes(core, NodePool(
+            count=1, first_index=index, gpus_per_node=2, name_prefix="mirror",
+            instance_type="p4d.24xlarge",
+            labels={"nvidia.com/gpu.product": PRODUCT, "dynatrain.io/test-pool": pool},
+            taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),)))
+    nodes = node(0)
     try:
         doc = job(name, gpus=1, max_workers=4)
+        doc["spec"]["elastic"]["workers"] = 2            # devices 0 and 1, on the one node
         doc["spec"]["parallelism"] = {"mode": "auto", "limits": {"zeroStages": [1]}}
         doc["spec"]["template"] = {"spec": _placement(pool)}
         manifest = tmp_path / "job.yaml"
         manifest.write_text(yaml.safe_dump(doc))
         kubectl("apply", "-n", namespace, "-f", str(manifest))
+        wait("the job on the first node's 2 workers", lambda: (lambda st: st.get(
+            "phase") == "Running" and st.get("workers") == 2)(
+            get(custom, namespace, name).get("status", {})), timeout=150)
+        nodes += node(1)
+        kubectl("scale", f"dynatrainjob/{name}", "-n", namespace, "--replicas=4")
 
         def four():
             st = get(custom, namespace, name).get("status", {})
@@ -234,6 +247,7 @@ def test_mirrors_live_on_another_node_and_a_lost_node_is_recovered_from_memory(
                 for p in job_pods(core, namespace, name)}
         node_of = {d: p.spec.node_name for d, p in pods.items()}
         assert sorted(node_of.values()) == sorted(nodes * 2), node_of
+        assert node_of[0] == node_of[1] != node_of[2] == node_of[3], node_of
 
         def mirrors():
             out = {}
