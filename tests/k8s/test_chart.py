@@ -36,7 +36,8 @@ OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--met
 
 # (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
 EXPECTED_RULES = {
-    ("dynatrain.io", "dynatrainjobs"): {"get", "list", "watch", "patch"},
+    # delete: a finished job whose spec.ttlSecondsAfterFinished has passed
+    ("dynatrain.io", "dynatrainjobs"): {"get", "list", "watch", "patch", "delete"},
     ("dynatrain.io", "dynatrainjobs/status"): {"patch"},
     ("dynatrain.io", "dynatrainjobs/finalizers"): {"update"},
     ("", "pods"): {"create", "delete", "get", "list", "watch", "patch"},
@@ -343,6 +344,7 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
     allowed = [("watch", "dynatrainjobs.dynatrain.io"),
                ("patch", "dynatrainjobs.dynatrain.io", "status"),
                ("update", "dynatrainjobs.dynatrain.io", "finalizers"),
+               ("delete", "dynatrainjobs.dynatrain.io"),     # spec.ttlSecondsAfterFinished
                ("create", "pods"), ("delete", "pods"), ("watch", "pods"),
                ("create", "services"), ("get", "secrets"), ("create", "secrets"),
                ("get", "configmaps"), ("create", "configmaps"), ("patch", "configmaps"),
@@ -354,7 +356,7 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
                ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
                ("get", "leases.coordination.k8s.io"), ("create", "leases.coordination.k8s.io"),
                ("update", "leases.coordination.k8s.io")]
-    denied = [("delete", "dynatrainjobs.dynatrain.io"), ("create", "dynatrainjobs.dynatrain.io"),
+    denied = [("create", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io"),
               ("update", "dynatrainjobs.dynatrain.io", "status"),
               # the operator never calls the scale subresource (kubectl scale is the user's)
