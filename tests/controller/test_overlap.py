@@ -71,9 +71,10 @@ def test_a_hung_worker_is_declared_failed_and_recovered_like_a_dead_one(tmp_path
     assert "declared failed by the controller; killed" in out["stdout"]
     (rec,) = out["recoveries"]
     assert rec["workers_after"] == 2        # the layout for two is the solver's (measured cores)
-    # found by the watchdog (4 s here), not by a collective's 60-second timeout
+    # found by the watchdog (4 s here; the "hung" line above names it), not by a
+    # collective's 60-second timeout. (A bound on the run's wall time here failed once on a
+    # loaded machine: the detection's own message is the evidence that cannot.)
     assert rec["phases"]["restored_step"] >= 8
-    assert out["wall"] < reference["wall"] + 30
 
 
 def test_a_worker_that_hangs_but_answers_status_is_found_by_its_waiting_peers(tmp_path,
@@ -87,7 +88,6 @@ def test_a_worker_that_hangs_but_answers_status_is_found_by_its_waiting_peers(tm
     assert "wait for it in a collective" in out["stdout"]
     (rec,) = out["recoveries"]
     assert rec["workers_after"] == 2 and rec["phases"]["restored_step"] == 10
-    assert out["wall"] < reference["wall"] + 30
 
 
 def test_a_member_that_just_joined_is_not_the_single_point_of_loss(tmp_path, reference):
