@@ -177,8 +177,13 @@ def profile_for(job) -> DeviceProfile:
     workers (:func:`hardware_of` corrects it from the nodes); CPU workers: one core-sized
     device per pod."""
     if job.gpus_per_worker > 0:
-        return PROFILES[(job.raw.get("spec", {}).get("hardware") or {}).get("profile", "h100")]
+        return PROFILES[_hardware_override(job) or "h100"]
     return replace(PROFILES["cpu"], shared_cores=0, memory_bytes=4 << 30)
+
+
+def _hardware_override(job) -> str | None:
+    """``spec.hardware.profile``, if the job sets one."""
+    return (job.raw.get("spec", {}).get("hardware") or {}).get("profile")
 
 
 def hardware_of(job, nodes: list[k.NodeInfo]) -> tuple[DeviceProfile, bool, str, str]:
@@ -188,7 +193,7 @@ def hardware_of(job, nodes: list[k.NodeInfo]) -> tuple[DeviceProfile, bool, str,
     planned for the one with the least memory, so that every layout fits every device (and
     the condition says so); nodes whose labels name no known GPU are priced as H100s, which
     the condition says too."""
-    override = (job.raw.get("spec", {}).get("hardware") or {}).get("profile")
+    override = _hardware_override(job)
     if override:
         return PROFILES[override], True, "Override", f"spec.hardware.profile {override}"
     found = {n.name: profile_for_node_labels(dict(n.gpu_labels)) for n in nodes}

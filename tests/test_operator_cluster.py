@@ -254,6 +254,7 @@ def test_a_finished_jobs_ttl_counts_from_its_end():
 def test_the_nodes_gpu_labels_price_the_job():
     from types import SimpleNamespace
 
+    from dynatrain.controller.hardware import PROFILES
     from dynatrain.operator.runtime import hardware_of
 
     def labelled(name, product=None, memory=None):
@@ -265,8 +266,7 @@ def test_the_nodes_gpu_labels_price_the_job():
     job = SimpleNamespace(raw={"spec": {}})
     a40 = labelled("a", "NVIDIA-A100-SXM4-40GB", "40960")
     h100 = labelled("b", "NVIDIA-H100-80GB-HBM3")
-    assert hardware_of(job, [a40, a40])[:3] == (k_profiles()["a100-40gb"], True,
-                                                 "FromNodeLabels")
+    assert hardware_of(job, [a40, a40])[:3] == (PROFILES["a100-40gb"], True, "FromNodeLabels")
     # Mixed models: planned for the least memory, so every layout fits every device.
     profile, ok, reason, text = hardware_of(job, [h100, a40])
     assert (profile.name, ok, reason) == ("a100-40gb", False, "MixedGPUs")
@@ -275,9 +275,4 @@ def test_the_nodes_gpu_labels_price_the_job():
     assert (profile.name, ok, reason) == ("h100", False, "NoGPULabels")
     assert "spec.hardware.profile" in text and "c" in text
     pinned = SimpleNamespace(raw={"spec": {"hardware": {"profile": "l4"}}})
-    assert hardware_of(pinned, [h100])[:3] == (k_profiles()["l4"], True, "Override")
-
-
-def k_profiles():
-    from dynatrain.controller.hardware import PROFILES
-    return PROFILES
+    assert hardware_of(pinned, [h100])[:3] == (PROFILES["l4"], True, "Override")
