@@ -30,6 +30,7 @@ from .model import ModelSpec
 from .planner import Plan, plan_switch
 from .regions import warm_up_regions
 from .rounds import DIRECT_BYTES, Message, schedule_rounds
+from .topology import Nodes
 
 
 class GenerationError(RuntimeError):
@@ -88,7 +89,7 @@ class DeviceManager:
 
     def prepare(self, generation: int, model: ModelSpec, old: Layout | None, new: Layout, *,
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
-                gpus_per_node: int = 8, dead: frozenset[int] = frozenset(),
+                gpus_per_node: Nodes = 8, dead: frozenset[int] = frozenset(),
                 proxies: dict[int, int] | None = None,
                 preallocate: Callable[[PreparedSwitch], None] | None = None,
                 direct_bytes: int | None = DIRECT_BYTES) -> "Future[PreparedSwitch]":
@@ -99,6 +100,9 @@ class DeviceManager:
         job's first generation: nothing moves, so there is no plan and no transition group.
         ``dead`` old devices (a recovery) are neither sources nor members of the transition
         group; ``proxies`` name the live devices that hold their mirrored state.
+        ``gpus_per_node`` is the plan's node map (:mod:`.topology`): devices per node, or device
+        -> node name; every device of the switch must be given the same, or their plans differ
+        (0 or an empty map: 8 per node).
         ``preallocate(prepared)`` runs last, on every device of a switch with a plan, to fill
         in ``prepared.preallocated`` and ``prepared.staging`` ahead of the pause.
         ``direct_bytes`` must be the engine's (``None`` with checksums): see

@@ -15,7 +15,8 @@ How sources are chosen: a destination region whose data some of its receivers al
 copied locally on those. The other receivers R of that region, and the holders H of the data,
 define a **replica class** (H, R). Every (region, receiver) of every class gets its holder in
 one assignment over all classes, against shared per-device loads on four ports (intra-node and
-inter-node, send and receive: :mod:`.timemodel`), so that the modelled pause approaches its
+inter-node, send and receive: :mod:`.timemodel`; which devices share a node is the node map of
+:mod:`.topology`), so that the modelled pause approaches its
 lower bound and the busiest device's bytes approach theirs (:func:`_assign_sources`): a busier
 NVLink sender can still finish before an idle remote one, and a device's load in one class is
 seen by every other. Large regions are cut along their first dim so that the work can be
@@ -47,6 +48,7 @@ from .layout import BoundLayout, Layout, LayoutError, bind
 from .mapping import Piece, model_states, shard_pattern, state_itemsize
 from .model import ModelSpec, TensorSpec
 from .timemodel import Links, lower_bound_bytes, lower_bound_ratio, lower_bound_seconds
+from .topology import Nodes, check_nodes, node_table
 
 
 class PlanError(ValueError):
@@ -106,7 +108,9 @@ class Plan:
     groups: list[TensorGroup]
     copies: list[Move]
     transfers: list[Move]
-    gpus_per_node: int
+    gpus_per_node: Nodes
+    """Where the devices run, as the sources were chosen for: devices per node, or device ->
+    node name (:mod:`.topology`)."""
     need: dict[int, int] = field(default_factory=dict)
     """Network bytes each device must receive: its new state that it does not hold."""
     demand: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
@@ -228,7 +232,7 @@ def _senders(devices: tuple[int, ...], dead: frozenset[int], proxies: Mapping[in
     return tuple(holders), tuple(owners)
 
 
-def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: int = 8,
+def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: Nodes = 8,
                 dead: Iterable[int] = (), proxies: Mapping[int, int] | None = None,
                 links: Links | None = None, only_device: int | None = None) -> Plan:
     """Plan the switch of ``model`` from ``old`` to ``new`` (layouts carry their devices).
@@ -237,14 +241,19 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: in
     that live device ``p`` holds a mirror of dead device ``d``'s old local tensors (exactly its
     old pieces): ``p`` then serves ``d``'s data, and the moves it reads from the mirror have
     ``owner == d``. ``links`` are the intra- and inter-node bandwidths the sources are chosen
-    for (default: H100 NVLink and one 400 Gb/s NIC per GPU, :mod:`.timemodel`). With
+    for (default: H100 NVLink and one 400 Gb/s NIC per GPU, :mod:`.timemodel`).
+    ``gpus_per_node`` says which devices share a node (:mod:`.topology`): devices per node
+    (node ``device // gpus_per_node``), or device -> node name where the real nodes are known
+    (a device missing from it is a node of its own); every rank must pass the same. With
     ``only_device``, only the records that involve that device are kept (its own part of the
     plan): exactly the full plan's records for it, in the same order. Sources are chosen by one
     assignment over all devices' loads, so that part costs as much as the full plan.
     """
     t0 = time.perf_counter()
-    if gpus_per_node < 1:
-        raise PlanError(f"gpus_per_node={gpus_per_node} must be >= 1")
+    check_nodes(gpus_per_node, "gpus_per_node", PlanError)
+    if not isinstance(gpus_per_node, int):
+        # The plan keeps the map it was made for: a caller's later edit must not change it.
+        gpus_per_node = dict(gpus_per_node)
     # Planning allocates hundreds of thousands of small tuples and no reference cycles: the
     # cyclic collector's passes over them would double the time, so it waits until we are done.
     paused = gc.isenabled()
@@ -264,6 +273,8 @@ def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> 
     dead_set = frozenset(dead)
     proxies = dict(proxies or {})
     _validate_devices(ob.layout, nb.layout, dead_set, proxies)
+    # Every holder is a device of the old layout or a proxy, every receiver one of the new.
+    nodes = node_table(gpus_per_node, set(ob.layout.device_of) | set(nb.layout.device_of))
     groups = tensor_groups(model, ob, nb)
     states = model_states(model)
     copies: list[Move] = []
@@ -303,7 +314,7 @@ def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> 
                 classes.setdefault((holders, tuple(remote)), []).append(
                     _Item(nbytes * n_tensors, gi, si, region, op, np_, nbytes, owners))
 
-    transfers, demand = _assign_sources(classes, states, gpus_per_node, links)
+    transfers, demand = _assign_sources(classes, states, gpus_per_node, nodes, links)
     need: dict[int, int] = {}
     for per_r in demand.values():
         for r, b in per_r.items():
@@ -360,7 +371,8 @@ def _split(it: _Item, chunk: float) -> list[_Item]:
     return out
 
 
-def _assign_sources(classes, states, gpus_per_node: int, links: Links):
+def _assign_sources(classes, states, gpus_per_node: Nodes, node: Mapping[int, str],
+                    links: Links):
     """Choose a holder for every (region, receiver) of every replica class, over all classes at
     once, to minimise the modelled makespan while keeping the busiest device's bytes near
     their bound.
@@ -378,7 +390,9 @@ def _assign_sources(classes, states, gpus_per_node: int, links: Links):
     holder on the receiver's node, largest first, by the same rule. Regions larger than
     ``1/CHUNKS`` of the byte bound are cut into chunks first so that the choices can balance.
     A local search (:func:`_improve`) then moves single pairs off the costliest device.
-    Everything is a deterministic function of the inputs.
+    Everything is a deterministic function of the inputs. ``node[d]`` is device ``d``'s node
+    under the node map ``gpus_per_node`` (:func:`~.topology.node_table`); nodes are only
+    compared, so the choices do not depend on how nodes are named.
     """
     demand: dict[tuple[int, ...], dict[int, int]] = {}
     for (holders, receivers), items in classes.items():
@@ -405,9 +419,9 @@ def _assign_sources(classes, states, gpus_per_node: int, links: Links):
     for ci, ((holders, receivers), items) in enumerate(classes.items()):
         k = len(holders)
         rot = zlib.crc32(repr((holders[:2], receivers[:2], len(items))).encode()) % k
-        hnodes = [h // gpus_per_node for h in holders]
+        hnodes = [node[h] for h in holders]
         info.append((holders, hnodes, rot))
-        by_node: dict[int, list[int]] = {}
+        by_node: dict[str, list[int]] = {}
         for i, n in enumerate(hnodes):
             by_node.setdefault(n, []).append(i)
         near.append(by_node)
@@ -418,7 +432,7 @@ def _assign_sources(classes, states, gpus_per_node: int, links: Links):
                 order.extend([(0, 0, pi, r) for r in receivers])
             continue
         items.sort(key=lambda it: (-it.total, it.group, it.state_index, it.box))
-        phase = [1 if r // gpus_per_node in by_node else 2 for r in receivers]
+        phase = [1 if node[r] in by_node else 2 for r in receivers]
         for it in items:
             for p in (_split(it, chunk) if it.total > chunk else (it,)):
                 pi = len(pieces)
@@ -437,14 +451,14 @@ def _assign_sources(classes, states, gpus_per_node: int, links: Links):
         k = len(holders)
         if k == 1:
             h = holders[0]
-            if hnodes[0] == r // gpus_per_node:
+            if hnodes[0] == node[r]:
                 isd[h] += b
                 ird[r] += b
             else:
                 esd[h] += b
                 erd[r] += b
             continue
-        rn = r // gpus_per_node
+        rn = node[r]
         ir_, er_ = ird[r], erd[r]
         r_send = max(isd[r] * wi, esd[r] * we, (isd[r] + esd[r]) * wb)
         rb = (ir_ + er_ + b) * wb
@@ -491,7 +505,7 @@ def _assign_sources(classes, states, gpus_per_node: int, links: Links):
             esd[h] += b
             erd[r] += b
 
-    _improve(jobs, choice, info, near, gpus_per_node, (isd, esd, ird, erd), (wi, we, wb))
+    _improve(jobs, choice, info, near, node, (isd, esd, ird, erd), (wi, we, wb))
 
     transfers = []
     for ji, (it, ci, r) in enumerate(jobs):
@@ -510,7 +524,7 @@ MAX_TRIES = 400_000
 SCAN = 128
 
 
-def _improve(jobs, choice, info, near, gpus_per_node: int, ports, weights) -> None:
+def _improve(jobs, choice, info, near, node: Mapping[int, str], ports, weights) -> None:
     """Local search after the greedy pass: while some single (region, receiver) can move from
     the costliest device to another holder, or change which holder serves the costliest
     receiver, so that the costliest device gets cheaper and every other device it touches
@@ -562,7 +576,7 @@ def _improve(jobs, choice, info, near, gpus_per_node: int, ports, weights) -> No
             it, ci, r = jobs[ji]
             holders, hnodes, _ = info[ci]
             b = it.total
-            rn = r // gpus_per_node
+            rn = node[r]
             cur = choice[ji]
             s0 = holders[cur]
             near0 = hnodes[cur] == rn

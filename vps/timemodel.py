@@ -1,7 +1,8 @@
 """The switch's modelled time on a two-tier network, and provable lower bounds on it and on bytes.
 
-**The model.** Devices sit on nodes of ``gpus_per_node`` (device ``d`` is on node
-``d // gpus_per_node``). A transfer between two devices of one node runs over the intra-node
+**The model.** Devices sit on nodes: ``gpus_per_node`` is the node map of :mod:`.topology`,
+either devices per node (device ``d`` is on node ``d // gpus_per_node``) or device -> the node
+it really runs on. A transfer between two devices of one node runs over the intra-node
 link (NVLink: ``intra`` bytes/s per direction), any other over the inter-node link (a NIC per
 GPU: ``inter`` bytes/s per direction). Each device has four independent **ports**: intra-send,
 intra-recv, inter-send, inter-recv. A port's time is its bytes over its bandwidth, a device's
@@ -71,6 +72,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .topology import Nodes, check_nodes, node_of, node_table
+
 #: H100 SXM NVLink: 900 GB/s bidirectional = 450 GB/s per direction = 3600 Gb/s.
 DEFAULT_INTRA_GBPS = 3600.0
 #: One 400 Gb/s NIC (InfiniBand NDR / RoCE) per GPU.
@@ -105,13 +108,21 @@ Demand = Mapping[tuple[int, ...], Mapping[int, int]]
 INTRA_SEND, INTRA_RECV, INTER_SEND, INTER_RECV = range(4)
 
 
-def port_bytes(transfers: Iterable[tuple[int, int, int]], gpus_per_node: int
+def port_bytes(transfers: Iterable[tuple[int, int, int]], gpus_per_node: Nodes
                ) -> dict[int, list[int]]:
     """Per device, bytes on its [intra-send, intra-recv, inter-send, inter-recv] ports, from
     ``(src, dst, bytes)`` triples."""
+    check_nodes(gpus_per_node, "gpus_per_node")
+    node: dict[int, str] = {}   # filled as devices appear: the triples may be a generator
     ports: dict[int, list[int]] = {}
     for s, r, b in transfers:
-        same = s // gpus_per_node == r // gpus_per_node
+        ns = node.get(s)
+        if ns is None:
+            ns = node[s] = node_of(gpus_per_node, s)
+        nr = node.get(r)
+        if nr is None:
+            nr = node[r] = node_of(gpus_per_node, r)
+        same = ns == nr
         ps = ports.get(s)
         if ps is None:
             ps = ports[s] = [0, 0, 0, 0]
@@ -153,7 +164,7 @@ def _node_seconds(far: int, near: int, on: int, off: int, receivers: int, links:
     return t
 
 
-def _send_seconds(loads: Mapping[int, list], members: Mapping[int, int], size: int,
+def _send_seconds(loads: Mapping[str, list], members: Mapping[str, int], size: int,
                   links: Links) -> float:
     """Smallest ``T`` at which holder set ``G`` (``members[node]`` of its ``size`` devices on
     each node) can deliver ``loads[node] = [far, near, receivers]`` bytes to the receivers on
@@ -197,8 +208,8 @@ def _contained(sets: list[frozenset]) -> dict[frozenset, list[frozenset]]:
     return out
 
 
-def _sum_loads(parts: Iterable[Mapping[int, list]]) -> dict[int, list]:
-    out: dict[int, list] = {}
+def _sum_loads(parts: Iterable[Mapping[str, list]]) -> dict[str, list]:
+    out: dict[str, list] = {}
     for per_n in parts:
         for n, (far, near, rs) in per_n.items():
             acc = out.get(n)
@@ -211,12 +222,12 @@ def _sum_loads(parts: Iterable[Mapping[int, list]]) -> dict[int, list]:
     return out
 
 
-def _node_loads(per_r: dict[int, int], holder_nodes, gpus_per_node: int,
-                into: dict[int, list]) -> dict[int, list]:
-    """Add one holder set's demand to ``into``, per receiver node: [bytes with no holder on
-    that node (far), bytes with one there (near), the receivers]."""
+def _node_loads(per_r: Mapping[int, int], holder_nodes, node: Mapping[int, str],
+                into: dict[str, list]) -> dict[str, list]:
+    """Add one holder set's demand to ``into``, per receiver node (``node[r]``): [bytes with
+    no holder on that node (far), bytes with one there (near), the receivers]."""
     for r, b in per_r.items():
-        n = r // gpus_per_node
+        n = node[r]
         acc = into.get(n)
         if acc is None:
             acc = into[n] = [0, 0, set()]
@@ -225,22 +236,31 @@ def _node_loads(per_r: dict[int, int], holder_nodes, gpus_per_node: int,
     return into
 
 
-def lower_bound_seconds(demand: Demand, gpus_per_node: int, links: Links) -> float:
+def _demand_nodes(demand: Demand, gpus_per_node: Nodes) -> dict[int, str]:
+    """The node of every holder and receiver in ``demand``."""
+    devices = set().union(*demand)
+    for per_r in demand.values():
+        devices.update(per_r)
+    return node_table(gpus_per_node, devices)
+
+
+def lower_bound_seconds(demand: Demand, gpus_per_node: Nodes, links: Links) -> float:
     """Lower bound on the makespan of every single-hop plan for ``demand`` (module docstring)."""
     if not demand:
         return 0.0
+    node = _demand_nodes(demand, gpus_per_node)
     intra, inter = links.intra, links.inter
     best = 0.0
     # Receive side.
     need: dict[int, list[int]] = {}  # r -> [need, far, near_only]
     for holders, per_r in demand.items():
-        nodes = {h // gpus_per_node for h in holders}
+        nodes = {node[h] for h in holders}
         for r, b in per_r.items():
             acc = need.get(r)
             if acc is None:
                 acc = need[r] = [0, 0, 0]
             acc[0] += b
-            n = r // gpus_per_node
+            n = node[r]
             if n not in nodes:
                 acc[1] += b
             elif len(nodes) == 1:
@@ -248,15 +268,15 @@ def lower_bound_seconds(demand: Demand, gpus_per_node: int, links: Links) -> flo
     for total, far, near_only in need.values():
         best = max(best, far / inter, near_only / intra, total / (intra + inter))
     # Send side: per-node loads of every holder set, then of the sets containing them.
-    sets: dict[frozenset, dict[int, list]] = {}  # G -> node -> [far, near, receivers]
+    sets: dict[frozenset, dict[str, list]] = {}  # G -> node -> [far, near, receivers]
     for holders, per_r in demand.items():
-        _node_loads(per_r, {h // gpus_per_node for h in holders}, gpus_per_node,
+        _node_loads(per_r, {node[h] for h in holders}, node,
                     sets.setdefault(frozenset(holders), {}))
 
-    def members_of(g) -> dict[int, int]:
-        m: dict[int, int] = {}
+    def members_of(g) -> dict[str, int]:
+        m: dict[str, int] = {}
         for h in g:
-            m[h // gpus_per_node] = m.get(h // gpus_per_node, 0) + 1
+            m[node[h]] = m.get(node[h], 0) + 1
         return m
 
     keys = list(sets)
@@ -271,25 +291,26 @@ def lower_bound_seconds(demand: Demand, gpus_per_node: int, links: Links) -> flo
     loads = _sum_loads(sets.values())
     best = max(best, _send_seconds(loads, members_of(everyone), len(everyone), links))
     # Per receiver node n, G_n = the union of the holder sets with demand there.
-    at_node: dict[int, list[frozenset]] = {}
+    at_node: dict[str, list[frozenset]] = {}
     for g, per_n in sets.items():
         for n in per_n:
             at_node.setdefault(n, []).append(g)
     for n, gs in at_node.items():
         g_n = frozenset().union(*gs)
-        on = sum(1 for h in g_n if h // gpus_per_node == n)
+        on = sum(1 for h in g_n if node[h] == n)
         far, near, rs = _sum_loads({n: sets[g][n]} for g in gs)[n]
         best = max(best, _node_seconds(far, near, on, len(g_n) - on, len(rs), links))
     return best
 
 
-def lower_bound_ratio(demand: Demand, gpus_per_node: int, links: Links, seconds: float,
+def lower_bound_ratio(demand: Demand, gpus_per_node: Nodes, links: Links, seconds: float,
                       nbytes: int) -> float:
     """Lower bound on ``max(pause / seconds, busiest bytes / nbytes)`` over all single-hop plans,
     given the two bounds ``seconds`` and ``nbytes`` (module docstring: where it is above 1 the
     two bounds cannot both be met, whatever the plan)."""
     if not demand or seconds <= 0 or nbytes <= 0:
         return 1.0
+    node = _demand_nodes(demand, gpus_per_node)
     per_intra = min(seconds * links.intra, nbytes)  # what one port may carry at ratio 1
     per_inter = min(seconds * links.inter, nbytes)
     best = 1.0
@@ -301,22 +322,22 @@ def lower_bound_ratio(demand: Demand, gpus_per_node: int, links: Links, seconds:
             return near / c if near else 0.0
         return max(far / a, (far + near) / (c + a))
 
-    at_node: dict[int, list] = {}  # node -> [(holders, far, near, receivers)]
+    at_node: dict[str, list] = {}  # node -> [(holders, far, near, receivers)]
     for holders, per_r in demand.items():
-        nodes = [h // gpus_per_node for h in holders]
-        loads = _node_loads(per_r, nodes, gpus_per_node, {})
+        nodes = [node[h] for h in holders]
+        loads = _node_loads(per_r, nodes, node, {})
         for n, (far, near, rs) in loads.items():
             on = nodes.count(n)
             best = max(best, ratio(far, near, on, len(holders) - on, len(rs)))
             at_node.setdefault(n, []).append((holders, far, near, rs))
-    holders_on: dict[int, int] = {}
+    holders_on: dict[str, int] = {}
     for h in frozenset().union(*demand):
-        holders_on[h // gpus_per_node] = holders_on.get(h // gpus_per_node, 0) + 1
+        holders_on[node[h]] = holders_on.get(node[h], 0) + 1
     total = 0
-    near_at: dict[int, tuple[int, int]] = {}  # node -> (near bytes, receivers)
+    near_at: dict[str, tuple[int, int]] = {}  # node -> (near bytes, receivers)
     for n, parts in at_node.items():
         g_n = frozenset().union(*(h for h, _, _, _ in parts))
-        on = sum(1 for h in g_n if h // gpus_per_node == n)
+        on = sum(1 for h in g_n if node[h] == n)
         rs = set().union(*(r for _, _, _, r in parts))
         far, near = sum(p[1] for p in parts), sum(p[2] for p in parts)
         best = max(best, ratio(far, near, on, len(g_n) - on, len(rs)))

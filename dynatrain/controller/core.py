@@ -639,7 +639,7 @@ class JobController:
             if d in old.device_of:
                 self._ingest(d, holdings[d])        # steps reported since the last poll
         choice = choose_restore(self.job.model, old, new, failed, holdings,
-                                gpus_per_node=self.devices_per_node)
+                                gpus_per_node=self._nodes_for(old, new))
         start, dead, earlier = old, failed, ""
         if choice is None:
             found = self._previous_restore(new, holdings)
@@ -723,8 +723,17 @@ class JobController:
                 for d, st in kept.items() if st.previous_generation == g}
         dead = tuple(sorted(d for d in prev.device_of if d not in held))
         choice = choose_restore(self.job.model, prev, new, dead, held,
-                                gpus_per_node=self.devices_per_node)
+                                gpus_per_node=self._nodes_for(prev, new))
         return (prev, dead, choice) if choice is not None else None
+
+    def _nodes_for(self, *layouts: Layout) -> dict[int, str] | int:
+        """The node map to plan a switch between ``layouts`` on (:mod:`dynatrain.vps.topology`):
+        the real nodes when every device of them has a known one, else ``devices_per_node``
+        (a partial map would count each unknown device as a node of its own)."""
+        devices = {d for layout in layouts for d in layout.device_of}
+        if devices and devices <= self.device_nodes.keys():
+            return {d: self.device_nodes[d] for d in sorted(devices)}
+        return self.devices_per_node
 
     def _infer_unreported_reads(self, step: int) -> None:
         """The restored state is the result of every step up to ``step``, each of which
@@ -811,13 +820,15 @@ class JobController:
 
 
 def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], holdings: dict,
-                   *, gpus_per_node: int = 8) -> tuple[int, dict[int, int]] | None:
+                   *, gpus_per_node: int | dict[int, str] = 8
+                   ) -> tuple[int, dict[int, int]] | None:
     """The newest step every survivor holds a snapshot of and from which ``new`` can be
     planned, with the mirrors (proxies) that make it whole; None if no step qualifies.
 
     ``holdings``: device -> its Status (snapshot_steps, mirror_of, mirror_steps). The planner
     itself decides whether a step is whole: it fails (PlanError) when some state of a failed
-    device has neither a surviving replica nor a mirror.
+    device has neither a surviving replica nor a mirror. ``gpus_per_node``: the plan's node
+    map (devices per node, or device -> node name: :mod:`dynatrain.vps.topology`).
     """
     from dynatrain.vps.planner import PlanError, plan_switch
 

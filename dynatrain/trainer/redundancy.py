@@ -18,8 +18,9 @@ every mirror of step s has arrived everywhere, while own snapshots of s and s+1 
 Buddies are a rotation over the ranks ordered by node, so the map is a permutation (everyone
 sends one message and receives one) and, whenever no node holds more than half the ranks, a
 rank's mirror lives on another node: losing a whole node never loses both copies. The node of
-a device is where it really runs when that is known (:data:`Nodes`: device -> node name, from
-the pods' ``spec.nodeName`` on a cluster), else ``device // ranks_per_node``. Every
+a device is where it really runs when that is known (:data:`~dynatrain.vps.topology.Nodes`:
+device -> node name, from the pods' ``spec.nodeName`` on a cluster), else
+``device // ranks_per_node``; the switch planner reads the same map for its link costs. Every
 decision here reads only layout metadata, so all ranks derive the same pairs without talking.
 """
 
@@ -28,12 +29,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
 from dynatrain.vps.layout import BoundLayout, Layout
 from dynatrain.vps.mapping import RankShard, rank_shards, shard_pattern
+from dynatrain.vps.topology import Nodes, node_of
 
 from .trainer import LocalState
 from .weights import TORCH_DTYPES
@@ -46,18 +47,6 @@ _TAG = 0x5EDA
 
 
 # -- pure metadata: who mirrors whom, what is unique -----------------------------------------
-Nodes = Union[int, Mapping[int, str]]
-"""Where devices run: ranks per node (node = device // it), or device -> node name. A device
-missing from a mapping counts as a node of its own."""
-
-
-def node_of(nodes: Nodes, device: int):
-    """The node of ``device`` under ``nodes`` (comparable with every other device's)."""
-    if isinstance(nodes, int):
-        return str(device // nodes).zfill(12)
-    return nodes.get(device, f"\x00device-{device}")
-
-
 def buddy_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
     """``buddy[r]``: the rank that mirrors rank ``r``'s unique state. A permutation.
 
