@@ -130,7 +130,8 @@ class AgentClient:
                 restore_step: int = 0, failed_devices: Sequence[int] = (),
                 proxies: dict[int, int] | None = None,
                 checkpoint: str = "",
-                device_nodes: Sequence[str] = ()) -> agent_pb2.PrepareResponse:
+                device_nodes: Sequence[str] = (),
+                old_device_nodes: Sequence[str] = ()) -> agent_pb2.PrepareResponse:
         """Start preparing ``generation``; returns once the agent accepted it. ``recover``
         (with the failed devices, the snapshot step and the mirrors' proxies) recovers from a
         failure; ``checkpoint`` starts the generation from a DCP checkpoint."""
@@ -141,7 +142,8 @@ class AgentClient:
             old_layout=old_layout, old_devices=list(old_devices), recover=recover,
             restore_step=restore_step, failed_devices=list(failed_devices),
             proxies=dict(proxies or {}), checkpoint=checkpoint,
-            device_nodes=list(device_nodes)), self.timeout_s)
+            device_nodes=list(device_nodes), old_device_nodes=list(old_device_nodes)),
+            self.timeout_s)
 
     def commit(self, generation: int, at_step: int = 0,
                timeout_s: float = 0) -> agent_pb2.CommitResponse:
@@ -150,6 +152,15 @@ class AgentClient:
         return self._call("Commit", lambda: agent_pb2.CommitRequest(
             generation=generation, at_step=at_step, timeout_seconds=timeout_s),
             switch_timeout + self.timeout_s)
+
+    def checkpoint(self, generation: int, *, stop: bool = False,
+                   timeout_s: float = 0) -> agent_pb2.CheckpointResponse:
+        """Write a checkpoint of the running ``generation`` at the next boundary every rank
+        agrees on (``stop``: and train no further); blocks until it is whole."""
+        wait = timeout_s if timeout_s and timeout_s > 0 else _DEFAULT_COMMIT_TIMEOUT_S
+        return self._call("Checkpoint", lambda: agent_pb2.CheckpointRequest(
+            generation=generation, stop=stop, timeout_seconds=timeout_s),
+            wait + self.timeout_s)
 
     def abort(self, generation: int, reason: str, *,
               timeout_s: float | None = None) -> bool:

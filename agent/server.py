@@ -222,6 +222,13 @@ class Control(Protocol):
         """Drop the prepared ``generation``; False when nothing was prepared for it."""
         ...
 
+    def write_checkpoint(self, generation: int, stop: bool,
+                   timeout_s: float) -> agent_pb2.CheckpointResponse:
+        """Write a checkpoint of the running ``generation`` at the first step boundary every
+        rank agrees on; with ``stop``, train no further (SUSPENDED). Block until it is whole
+        and return where it is; raise :class:`CommitTimeout` after ``timeout_s``."""
+        ...
+
     def status(self, since_step: int) -> agent_pb2.StatusResponse:
         """The agent's state, with the step records after ``since_step``."""
         ...
@@ -388,7 +395,8 @@ class PrepareArgs:
     recovery: Recovery | None = None
     checkpoint: str = ""
     nodes: dict[int, str] = field(default_factory=dict)
-    """device -> the node it runs on (``device_nodes``); empty: unknown."""
+    """device -> the node it runs on (``device_nodes`` and ``old_device_nodes``); empty:
+    unknown."""
 
 
 @dataclass(frozen=True)
@@ -410,9 +418,10 @@ def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
                          checkpoint=req.checkpoint)
             + [(name, len(getattr(req, name)), MAX_WORLD, "entries", "MAX_WORLD")
                for name in ("devices", "old_devices", "failed_devices", "proxies",
-                            "device_nodes")]
-            + [("device_nodes", max(map(len, req.device_nodes), default=0), MAX_NODE_NAME,
-                "characters", "MAX_NODE_NAME")]
+                            "device_nodes", "old_device_nodes")]
+            + [(name, max(map(len, getattr(req, name)), default=0), MAX_NODE_NAME,
+                "characters", "MAX_NODE_NAME")
+               for name in ("device_nodes", "old_device_nodes")]
             + [("devices_per_node", req.devices_per_node, MAX_DEVICES_PER_NODE, "devices",
                 "MAX_DEVICES_PER_NODE"),
                ("staging_bytes", req.staging_bytes, MAX_STAGING_BYTES, "bytes",
@@ -445,6 +454,18 @@ def check_prepare(req: agent_pb2.PrepareRequest) -> PrepareArgs:
                                 DEFAULT_PREPARE_TIMEOUT_S, problems)
     old = None
     old_devices = tuple(req.old_devices)
+    if req.old_device_nodes and (len(req.old_device_nodes) != len(old_devices)
+                                 or not all(req.old_device_nodes)):
+        problems.append(f"old_device_nodes lists {len(req.old_device_nodes)} node names for "
+                        f"{len(old_devices)} old devices (empty ones included); give one per "
+                        "old device, or none")
+    else:
+        for d, n in zip(old_devices, req.old_device_nodes):
+            if nodes.setdefault(d, n) != n:
+                problems.append(f"device {d} is on node {_short(nodes[d])} in device_nodes "
+                                f"but on {_short(n)} in old_device_nodes; a device never "
+                                "moves")
+                break
     if req.old_layout:
         try:
             old = parse_layout(req.old_layout)
@@ -519,6 +540,17 @@ def check_commit(req: agent_pb2.CommitRequest) -> tuple[int, int, float]:
     if problems:
         raise InvalidRequest("; ".join(problems))
     return req.generation, req.at_step, timeout_s
+
+
+def check_checkpoint(req: agent_pb2.CheckpointRequest) -> tuple[int, bool, float]:
+    """(generation, stop, timeout_s) of a checked CheckpointRequest."""
+    problems: list[str] = []
+    _generation(req.generation, problems)
+    timeout_s = _finite_timeout("timeout_seconds", req.timeout_seconds,
+                                DEFAULT_COMMIT_TIMEOUT_S, problems)
+    if problems:
+        raise InvalidRequest("; ".join(problems))
+    return req.generation, req.stop, timeout_s
 
 
 def check_abort(req: agent_pb2.AbortRequest) -> tuple[int, str]:
@@ -596,6 +628,11 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             generation, reason = check_abort(request)
             return agent_pb2.AbortResponse(aborted=bool(self.control.abort(generation, reason)))
         return self._run("Abort", context, call, agent_pb2.AbortResponse)
+
+    def Checkpoint(self, request, context):
+        def call():
+            return self.control.write_checkpoint(*check_checkpoint(request))
+        return self._run("Checkpoint", context, call, agent_pb2.CheckpointResponse)
 
     def Status(self, request, context):
         return self._run("Status", context, lambda: self.control.status(request.since_step),
@@ -915,6 +952,7 @@ __all__ = [
     "SwitchAborted",
     "agent_method_handlers",
     "check_abort",
+    "check_checkpoint",
     "check_commit",
     "check_prepare",
     "check_rendezvous",

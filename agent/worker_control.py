@@ -99,6 +99,23 @@ class Pending:
     reply: Future = field(default_factory=Future)
 
 
+CHECKPOINT_SIGNAL = float(1 << 20)
+"""What a rank holding a Checkpoint adds to its step's signal (a rank holding a Commit adds
+1): the sum says how many ranks hold each, exactly (float64, worlds below 2**20)."""
+
+
+@dataclass
+class CheckpointWanted:
+    """A Checkpoint the training loop has to write at the first boundary every rank agrees
+    on (each rank signals it in a step's all-reduce, like a Commit at step 0)."""
+
+    generation: int
+    stop: bool
+    reply: Future = field(default_factory=Future)
+    signalled: bool = False
+    """This rank has put it in a step's signal (set by the loop)."""
+
+
 class WorkerControl:
     """A worker's state and the agent's :class:`~dynatrain.agent.server.Control` over it
     (agent threads); :class:`~dynatrain.agent.worker_loop.Worker` adds the training loop."""
@@ -123,6 +140,8 @@ class WorkerControl:
         self.layout: Layout | None = None
         self.rank = -1
         self.pending: Pending | None = None
+        self.wanted: CheckpointWanted | None = None
+        """A Checkpoint not yet written (:meth:`checkpoint`)."""
         self.records: collections.deque = collections.deque(maxlen=STEP_RECORDS)
         self.last_switch = pb.SwitchReport()
         self.error = ""
@@ -264,7 +283,7 @@ class WorkerControl:
                            old_layout: Layout | None, *, abandoning: bool) -> None:
         """The state and generation rules of a Prepare (under the lock). Run before an
         abandon, and again after it (the state may have moved on while it waited)."""
-        bad = (State.LEFT, State.FAILED, State.FINISHED)
+        bad = (State.LEFT, State.FAILED, State.FINISHED, State.SUSPENDED)
         if self.state in bad or (self.state == State.SWITCHING and not abandoning):
             raise PreconditionFailed(f"device {self.device} is "
                                      f"{State.Name(self.state)}; it cannot prepare")
@@ -341,6 +360,39 @@ class WorkerControl:
         except TimeoutError:
             raise CommitTimeout(f"generation {generation} did not switch within {timeout_s} s "
                                 f"on device {self.device}") from None
+
+    def write_checkpoint(self, generation: int, stop: bool,
+                   timeout_s: float) -> pb.CheckpointResponse:
+        """Write a checkpoint of the running generation at the first step boundary every
+        rank agrees on (the training loop writes it; every rank its part), and with ``stop``
+        train no further (SUSPENDED: a suspended job's workers wait to be stopped). A
+        repeated call (a restarted controller) waits for the same checkpoint."""
+        with self.lock:
+            w = self.wanted
+            if w is None or w.generation != generation:
+                if not self.checkpoint_dir:
+                    raise PreconditionFailed(
+                        f"device {self.device} has no checkpoint directory to write to (the "
+                        "worker's --checkpoint-dir; on a cluster, the job's spec.checkpoint)")
+                if self.state != State.TRAINING or self.trainer is None:
+                    raise PreconditionFailed(f"device {self.device} is "
+                                             f"{State.Name(self.state)}; only a training "
+                                             "generation can write a checkpoint")
+                if generation != self.generation:
+                    raise PreconditionFailed(f"generation {generation} is not running on "
+                                             f"device {self.device} (it runs generation "
+                                             f"{self.generation})")
+                if self.pending is not None and not self.pending.aborted:
+                    raise PreconditionFailed(f"generation {self.pending.generation} is "
+                                             "prepared; commit or abort it first")
+                w = self.wanted = CheckpointWanted(generation, stop)
+                self.wake.notify_all()
+            reply = w.reply
+        try:
+            return reply.result(timeout=timeout_s)
+        except TimeoutError:
+            raise CommitTimeout(f"the checkpoint of generation {generation} was not written "
+                                f"within {timeout_s} s on device {self.device}") from None
 
     def abort(self, generation: int, reason: str) -> bool:
         with self.lock:

@@ -30,7 +30,7 @@ from dynatrain.vps.transition import TransitionConfig
 from .metrics import TrainingSample
 from .server import SwitchAborted
 from .v1 import agent_pb2 as pb
-from .worker_control import Pending, Previous, State, WorkerControl
+from .worker_control import CHECKPOINT_SIGNAL, Pending, Previous, State, WorkerControl
 
 LINGER_SECONDS = 5.0
 
@@ -56,11 +56,16 @@ class Worker(WorkerControl):
                 if self.stopping:
                     return 0
                 due = self._due()
-                if due is None and (self.trainer is None or self.state == State.FINISHED):
+                if due is None and (self.trainer is None
+                                    or self.state in (State.FINISHED, State.SUSPENDED)):
                     self.wake.wait(timeout=0.2)
                     continue
                 signal_value = 1.0 if (self.pending and self.pending.commit_at == 0
                                        and self.trainer is not None) else 0.0
+                wanted = self.wanted
+                if wanted is not None and self.trainer is not None:
+                    wanted.signalled = True
+                    signal_value += CHECKPOINT_SIGNAL
             if due is not None:
                 self._switch(due)
                 if self.state == State.LEFT:
@@ -87,13 +92,20 @@ class Worker(WorkerControl):
                 continue
             self._report(result, snapshot_seconds)
             self._release_previous()
+            world = self.layout.world
+            signals = round(result.signal)
+            if wanted is not None and (world == 1 or signals // int(CHECKPOINT_SIGNAL) == world):
+                try:                                 # every rank agreed: write it now
+                    self._write_wanted(wanted)
+                except Exception as e:               # a peer died inside the collective save
+                    self._interrupt(e)
+                    continue
             with self.lock:
                 if self.trainer.step >= self.job.training.steps:
                     self.state = State.FINISHED
                 p = self.pending
-                world = self.layout.world
-                if (p is not None and p.commit_at == 0 and signal_value
-                        and round(result.signal) == world):
+                if (p is not None and p.commit_at == 0 and signal_value % CHECKPOINT_SIGNAL
+                        and signals % int(CHECKPOINT_SIGNAL) == world):
                     p.commit_at = -1          # agreed: switch at this boundary
                     self.wake.notify_all()
 
@@ -123,6 +135,34 @@ class Worker(WorkerControl):
                 self.checkpoint = (saved.path, t.step)
                 self.checkpoint_time = time.time()
         return snapshot_seconds
+
+    def _write_wanted(self, wanted) -> None:
+        """A Checkpoint every rank agreed on at this boundary: write it (the periodic one of
+        this very step, if there is one, is it), answer the call, and with ``stop`` train no
+        further."""
+        t = self.trainer
+        t0 = time.perf_counter()
+        if self.checkpoint is None or self.checkpoint[1] != t.step:
+            g = t.g
+            saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
+                                    group=g.world, group_rank=g.rank,
+                                    group_size=self.layout.world,
+                                    keep=self.job.recovery.checkpoint_keep,
+                                    hf_source=self.job.training.init_hf, job=self.job.name)
+            with self.lock:
+                self.checkpoint = (saved.path, t.step)
+                self.checkpoint_time = time.time()
+        path, step = self.checkpoint
+        seconds = time.perf_counter() - t0
+        with self.lock:
+            self.wanted = None
+            if wanted.stop and t.step < self.job.training.steps:
+                self.state = State.SUSPENDED
+        print(f"device {self.device}: wrote the checkpoint of step {step} to {path} in "
+              f"{seconds:.2f} s" + ("; suspended: training no further" if wanted.stop
+                                    else ""), flush=True)
+        wanted.reply.set_result(pb.CheckpointResponse(
+            generation=wanted.generation, step=step, path=path, seconds=seconds))
 
     def _save_hf(self) -> None:
         """The job's last step is trained: every rank writes its part of a DCP checkpoint
@@ -172,6 +212,10 @@ class Worker(WorkerControl):
                 self._graveyard.append(trainer.g)
             self.state = State.INTERRUPTED
             self.error = f"generation {self.generation} interrupted: {error}"
+            wanted, self.wanted = self.wanted, None
+            if wanted is not None and not wanted.reply.done():
+                wanted.reply.set_exception(SwitchAborted(
+                    f"the checkpoint was not written: {self.error}"))
             self.wake.notify_all()
         print(f"device {self.device}: {self.error}", flush=True)
 
@@ -403,7 +447,8 @@ class Worker(WorkerControl):
         :meth:`stop`."""
         if self.leaving_at is None:
             self.leaving_at = time.monotonic() + self.grace_s
-        if self.state in (State.STANDBY, State.FINISHED, State.LEFT, State.FAILED):
+        if self.state in (State.STANDBY, State.FINISHED, State.LEFT, State.FAILED,
+                          State.SUSPENDED):
             self.stopping = True
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64ynatrain/agent/v1/agent.proto\x12\x12\x64ynatrain.agent.v1\"\xb7\x03\n\x0ePrepareRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\r\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65vices_per_node\x18\x05 \x01(\r\x12\x15\n\rstaging_bytes\x18\x06 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x12\n\nold_layout\x18\t \x01(\t\x12\x13\n\x0bold_devices\x18\n \x03(\r\x12\x0f\n\x07recover\x18\x0b \x01(\x08\x12\x14\n\x0crestore_step\x18\x0c \x01(\x04\x12\x16\n\x0e\x66\x61iled_devices\x18\r \x03(\r\x12@\n\x07proxies\x18\x0e \x03(\x0b\x32/.dynatrain.agent.v1.PrepareRequest.ProxiesEntry\x12\x12\n\ncheckpoint\x18\x0f \x01(\t\x12\x14\n\x0c\x64\x65vice_nodes\x18\x10 \x03(\t\x1a.\n\x0cProxiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"%\n\x0fPrepareResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"M\n\rCommitRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"\x9e\x02\n\x0e\x43ommitResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rpause_seconds\x18\x03 \x01(\x01\x12K\n\rphase_seconds\x18\x04 \x03(\x0b\x32\x34.dynatrain.agent.v1.CommitResponse.PhaseSecondsEntry\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x13\n\x0b\x62ytes_local\x18\x07 \x01(\x04\x12\x10\n\x08new_rank\x18\x08 \x01(\x05\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"2\n\x0c\x41\x62ortRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"#\n\rStatusRequest\x12\x12\n\nsince_step\x18\x01 \x01(\x04\"\xa4\x01\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x14\n\x0csample_begin\x18\x06 \x01(\x04\x12\x12\n\nsample_end\x18\x07 \x01(\x04\x12\x10\n\x08\x65nd_time\x18\x08 \x01(\x01\"\x9b\x01\n\x0cSwitchReport\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x13\n\x0b\x66rom_layout\x18\x02 \x01(\t\x12\x11\n\tto_layout\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\"\xd4\x07\n\x0eStatusResponse\x12\x37\n\x05state\x18\x01 \x01(\x0e\x32(.dynatrain.agent.v1.StatusResponse.State\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x05 \x03(\r\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x15\n\rdata_position\x18\x08 \x01(\x04\x12\x1b\n\x13prepared_generation\x18\t \x01(\x04\x12\x16\n\x0eprepared_ready\x18\n \x01(\x08\x12\x16\n\x0eprepared_error\x18\x0b \x01(\t\x12\x35\n\x0blast_switch\x18\x0c \x01(\x0b\x32 .dynatrain.agent.v1.SwitchReport\x12-\n\x05steps\x18\r \x03(\x0b\x32\x1e.dynatrain.agent.v1.StepRecord\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x19\n\x11tokens_per_second\x18\x0f \x01(\x01\x12\x17\n\x0fprepared_layout\x18\x10 \x01(\t\x12\x18\n\x10prepared_devices\x18\x11 \x03(\r\x12\x1a\n\x12prepared_committed\x18\x12 \x01(\x08\x12\x16\n\x0esnapshot_steps\x18\x13 \x03(\x04\x12\x11\n\tmirror_of\x18\x14 \x01(\x05\x12\x14\n\x0cmirror_steps\x18\x15 \x03(\x04\x12\x12\n\ncheckpoint\x18\x16 \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x17 \x01(\x04\x12\x1b\n\x13previous_generation\x18\x18 \x01(\x04\x12\x17\n\x0fprevious_layout\x18\x19 \x01(\t\x12\x18\n\x10previous_devices\x18\x1a \x03(\r\x12\x1f\n\x17previous_snapshot_steps\x18\x1b \x03(\x04\x12\x1a\n\x12previous_mirror_of\x18\x1c \x01(\x05\x12\x1d\n\x15previous_mirror_steps\x18\x1d \x03(\x04\x12\x1f\n\x17\x63ollective_wait_seconds\x18\x1e \x01(\x01\x12\x0f\n\x07leaving\x18\x1f \x01(\x08\x12\x1a\n\x12leaving_in_seconds\x18  \x01(\x01\"}\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07STANDBY\x10\x01\x12\x0c\n\x08TRAINING\x10\x02\x12\r\n\tSWITCHING\x10\x03\x12\x0c\n\x08\x46INISHED\x10\x04\x12\x08\n\x04LEFT\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x12\x0f\n\x0bINTERRUPTED\x10\x07\x32\xcb\x02\n\x05\x41gent\x12R\n\x07Prepare\x12\".dynatrain.agent.v1.PrepareRequest\x1a#.dynatrain.agent.v1.PrepareResponse\x12O\n\x06\x43ommit\x12!.dynatrain.agent.v1.CommitRequest\x1a\".dynatrain.agent.v1.CommitResponse\x12L\n\x05\x41\x62ort\x12 .dynatrain.agent.v1.AbortRequest\x1a!.dynatrain.agent.v1.AbortResponse\x12O\n\x06Status\x12!.dynatrain.agent.v1.StatusRequest\x1a\".dynatrain.agent.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64ynatrain/agent/v1/agent.proto\x12\x12\x64ynatrain.agent.v1\"\xd1\x03\n\x0ePrepareRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\r\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65vices_per_node\x18\x05 \x01(\r\x12\x15\n\rstaging_bytes\x18\x06 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x12\n\nold_layout\x18\t \x01(\t\x12\x13\n\x0bold_devices\x18\n \x03(\r\x12\x0f\n\x07recover\x18\x0b \x01(\x08\x12\x14\n\x0crestore_step\x18\x0c \x01(\x04\x12\x16\n\x0e\x66\x61iled_devices\x18\r \x03(\r\x12@\n\x07proxies\x18\x0e \x03(\x0b\x32/.dynatrain.agent.v1.PrepareRequest.ProxiesEntry\x12\x12\n\ncheckpoint\x18\x0f \x01(\t\x12\x14\n\x0c\x64\x65vice_nodes\x18\x10 \x03(\t\x12\x18\n\x10old_device_nodes\x18\x11 \x03(\t\x1a.\n\x0cProxiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"%\n\x0fPrepareResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"M\n\rCommitRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"\x9e\x02\n\x0e\x43ommitResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rpause_seconds\x18\x03 \x01(\x01\x12K\n\rphase_seconds\x18\x04 \x03(\x0b\x32\x34.dynatrain.agent.v1.CommitResponse.PhaseSecondsEntry\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x13\n\x0b\x62ytes_local\x18\x07 \x01(\x04\x12\x10\n\x08new_rank\x18\x08 \x01(\x05\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"N\n\x11\x43heckpointRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x08\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"U\n\x12\x43heckpointResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"2\n\x0c\x41\x62ortRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"#\n\rStatusRequest\x12\x12\n\nsince_step\x18\x01 \x01(\x04\"\xa4\x01\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x14\n\x0csample_begin\x18\x06 \x01(\x04\x12\x12\n\nsample_end\x18\x07 \x01(\x04\x12\x10\n\x08\x65nd_time\x18\x08 \x01(\x01\"\x9b\x01\n\x0cSwitchReport\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x13\n\x0b\x66rom_layout\x18\x02 \x01(\t\x12\x11\n\tto_layout\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\"\xe4\x07\n\x0eStatusResponse\x12\x37\n\x05state\x18\x01 \x01(\x0e\x32(.dynatrain.agent.v1.StatusResponse.State\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x05 \x03(\r\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x15\n\rdata_position\x18\x08 \x01(\x04\x12\x1b\n\x13prepared_generation\x18\t \x01(\x04\x12\x16\n\x0eprepared_ready\x18\n \x01(\x08\x12\x16\n\x0eprepared_error\x18\x0b \x01(\t\x12\x35\n\x0blast_switch\x18\x0c \x01(\x0b\x32 .dynatrain.agent.v1.SwitchReport\x12-\n\x05steps\x18\r \x03(\x0b\x32\x1e.dynatrain.agent.v1.StepRecord\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x19\n\x11tokens_per_second\x18\x0f \x01(\x01\x12\x17\n\x0fprepared_layout\x18\x10 \x01(\t\x12\x18\n\x10prepared_devices\x18\x11 \x03(\r\x12\x1a\n\x12prepared_committed\x18\x12 \x01(\x08\x12\x16\n\x0esnapshot_steps\x18\x13 \x03(\x04\x12\x11\n\tmirror_of\x18\x14 \x01(\x05\x12\x14\n\x0cmirror_steps\x18\x15 \x03(\x04\x12\x12\n\ncheckpoint\x18\x16 \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\x17 \x01(\x04\x12\x1b\n\x13previous_generation\x18\x18 \x01(\x04\x12\x17\n\x0fprevious_layout\x18\x19 \x01(\t\x12\x18\n\x10previous_devices\x18\x1a \x03(\r\x12\x1f\n\x17previous_snapshot_steps\x18\x1b \x03(\x04\x12\x1a\n\x12previous_mirror_of\x18\x1c \x01(\x05\x12\x1d\n\x15previous_mirror_steps\x18\x1d \x03(\x04\x12\x1f\n\x17\x63ollective_wait_seconds\x18\x1e \x01(\x01\x12\x0f\n\x07leaving\x18\x1f \x01(\x08\x12\x1a\n\x12leaving_in_seconds\x18  \x01(\x01\"\x8c\x01\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07STANDBY\x10\x01\x12\x0c\n\x08TRAINING\x10\x02\x12\r\n\tSWITCHING\x10\x03\x12\x0c\n\x08\x46INISHED\x10\x04\x12\x08\n\x04LEFT\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x12\x0f\n\x0bINTERRUPTED\x10\x07\x12\r\n\tSUSPENDED\x10\x08\x32\xa8\x03\n\x05\x41gent\x12R\n\x07Prepare\x12\".dynatrain.agent.v1.PrepareRequest\x1a#.dynatrain.agent.v1.PrepareResponse\x12O\n\x06\x43ommit\x12!.dynatrain.agent.v1.CommitRequest\x1a\".dynatrain.agent.v1.CommitResponse\x12L\n\x05\x41\x62ort\x12 .dynatrain.agent.v1.AbortRequest\x1a!.dynatrain.agent.v1.AbortResponse\x12O\n\x06Status\x12!.dynatrain.agent.v1.StatusRequest\x1a\".dynatrain.agent.v1.StatusResponse\x12[\n\nCheckpoint\x12%.dynatrain.agent.v1.CheckpointRequest\x1a&.dynatrain.agent.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITRESPONSE_PHASESECONDSENTRY']._loaded_options = None
   _globals['_COMMITRESPONSE_PHASESECONDSENTRY']._serialized_options = b'8\001'
   _globals['_PREPAREREQUEST']._serialized_start=55
-  _globals['_PREPAREREQUEST']._serialized_end=494
-  _globals['_PREPAREREQUEST_PROXIESENTRY']._serialized_start=448
-  _globals['_PREPAREREQUEST_PROXIESENTRY']._serialized_end=494
-  _globals['_PREPARERESPONSE']._serialized_start=496
-  _globals['_PREPARERESPONSE']._serialized_end=533
-  _globals['_COMMITREQUEST']._serialized_start=535
-  _globals['_COMMITREQUEST']._serialized_end=612
-  _globals['_COMMITRESPONSE']._serialized_start=615
-  _globals['_COMMITRESPONSE']._serialized_end=901
-  _globals['_COMMITRESPONSE_PHASESECONDSENTRY']._serialized_start=850
-  _globals['_COMMITRESPONSE_PHASESECONDSENTRY']._serialized_end=901
-  _globals['_ABORTREQUEST']._serialized_start=903
-  _globals['_ABORTREQUEST']._serialized_end=953
-  _globals['_ABORTRESPONSE']._serialized_start=955
-  _globals['_ABORTRESPONSE']._serialized_end=987
-  _globals['_STATUSREQUEST']._serialized_start=989
-  _globals['_STATUSREQUEST']._serialized_end=1024
-  _globals['_STEPRECORD']._serialized_start=1027
-  _globals['_STEPRECORD']._serialized_end=1191
-  _globals['_SWITCHREPORT']._serialized_start=1194
-  _globals['_SWITCHREPORT']._serialized_end=1349
-  _globals['_STATUSRESPONSE']._serialized_start=1352
-  _globals['_STATUSRESPONSE']._serialized_end=2332
-  _globals['_STATUSRESPONSE_STATE']._serialized_start=2207
-  _globals['_STATUSRESPONSE_STATE']._serialized_end=2332
-  _globals['_AGENT']._serialized_start=2335
-  _globals['_AGENT']._serialized_end=2666
+  _globals['_PREPAREREQUEST']._serialized_end=520
+  _globals['_PREPAREREQUEST_PROXIESENTRY']._serialized_start=474
+  _globals['_PREPAREREQUEST_PROXIESENTRY']._serialized_end=520
+  _globals['_PREPARERESPONSE']._serialized_start=522
+  _globals['_PREPARERESPONSE']._serialized_end=559
+  _globals['_COMMITREQUEST']._serialized_start=561
+  _globals['_COMMITREQUEST']._serialized_end=638
+  _globals['_COMMITRESPONSE']._serialized_start=641
+  _globals['_COMMITRESPONSE']._serialized_end=927
+  _globals['_COMMITRESPONSE_PHASESECONDSENTRY']._serialized_start=876
+  _globals['_COMMITRESPONSE_PHASESECONDSENTRY']._serialized_end=927
+  _globals['_CHECKPOINTREQUEST']._serialized_start=929
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1007
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1009
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1094
+  _globals['_ABORTREQUEST']._serialized_start=1096
+  _globals['_ABORTREQUEST']._serialized_end=1146
+  _globals['_ABORTRESPONSE']._serialized_start=1148
+  _globals['_ABORTRESPONSE']._serialized_end=1180
+  _globals['_STATUSREQUEST']._serialized_start=1182
+  _globals['_STATUSREQUEST']._serialized_end=1217
+  _globals['_STEPRECORD']._serialized_start=1220
+  _globals['_STEPRECORD']._serialized_end=1384
+  _globals['_SWITCHREPORT']._serialized_start=1387
+  _globals['_SWITCHREPORT']._serialized_end=1542
+  _globals['_STATUSRESPONSE']._serialized_start=1545
+  _globals['_STATUSRESPONSE']._serialized_end=2541
+  _globals['_STATUSRESPONSE_STATE']._serialized_start=2401
+  _globals['_STATUSRESPONSE_STATE']._serialized_end=2541
+  _globals['_AGENT']._serialized_start=2544
+  _globals['_AGENT']._serialized_end=2968
 # @@protoc_insertion_point(module_scope)

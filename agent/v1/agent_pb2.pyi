@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("generation", "layout", "devices", "rendezvous", "devices_per_node", "staging_bytes", "timeout_seconds", "reason", "old_layout", "old_devices", "recover", "restore_step", "failed_devices", "proxies", "checkpoint", "device_nodes")
+    __slots__ = ("generation", "layout", "devices", "rendezvous", "devices_per_node", "staging_bytes", "timeout_seconds", "reason", "old_layout", "old_devices", "recover", "restore_step", "failed_devices", "proxies", "checkpoint", "device_nodes", "old_device_nodes")
     class ProxiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PrepareRequest(_message.Message):
     PROXIES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NODES_FIELD_NUMBER: _ClassVar[int]
+    OLD_DEVICE_NODES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     layout: str
     devices: _containers.RepeatedScalarFieldContainer[int]
@@ -48,7 +49,8 @@ class PrepareRequest(_message.Message):
     proxies: _containers.ScalarMap[int, int]
     checkpoint: str
     device_nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., devices_per_node: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., old_layout: _Optional[str] = ..., old_devices: _Optional[_Iterable[int]] = ..., recover: _Optional[bool] = ..., restore_step: _Optional[int] = ..., failed_devices: _Optional[_Iterable[int]] = ..., proxies: _Optional[_Mapping[int, int]] = ..., checkpoint: _Optional[str] = ..., device_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    old_device_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rendezvous: _Optional[str] = ..., devices_per_node: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., old_layout: _Optional[str] = ..., old_devices: _Optional[_Iterable[int]] = ..., recover: _Optional[bool] = ..., restore_step: _Optional[int] = ..., failed_devices: _Optional[_Iterable[int]] = ..., proxies: _Optional[_Mapping[int, int]] = ..., checkpoint: _Optional[str] = ..., device_nodes: _Optional[_Iterable[str]] = ..., old_device_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("generation",)
@@ -92,6 +94,28 @@ class CommitResponse(_message.Message):
     bytes_local: int
     new_rank: int
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., pause_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_local: _Optional[int] = ..., new_rank: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("generation", "stop", "timeout_seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    stop: bool
+    timeout_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., stop: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("generation", "step", "path", "seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    path: str
+    seconds: float
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("generation", "reason")
@@ -163,6 +187,7 @@ class StatusResponse(_message.Message):
         LEFT: _ClassVar[StatusResponse.State]
         FAILED: _ClassVar[StatusResponse.State]
         INTERRUPTED: _ClassVar[StatusResponse.State]
+        SUSPENDED: _ClassVar[StatusResponse.State]
     STATE_UNSPECIFIED: StatusResponse.State
     STANDBY: StatusResponse.State
     TRAINING: StatusResponse.State
@@ -171,6 +196,7 @@ class StatusResponse(_message.Message):
     LEFT: StatusResponse.State
     FAILED: StatusResponse.State
     INTERRUPTED: StatusResponse.State
+    SUSPENDED: StatusResponse.State
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]

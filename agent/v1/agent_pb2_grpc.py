@@ -55,6 +55,11 @@ class AgentStub:
                 request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
                 response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/dynatrain.agent.v1.Agent/Checkpoint',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -89,6 +94,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Write a checkpoint of the running generation at a step boundary every rank agrees on
+        (every rank writes its part); with `stop`, train no further (SUSPENDED) until the
+        process is stopped. Returns after the checkpoint is whole.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StatusRequest.FromString,
                     response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StatusResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.CheckpointRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Agent:
             '/dynatrain.agent.v1.Agent/Status',
             dynatrain_dot_agent_dot_v1_dot_agent__pb2.StatusRequest.SerializeToString,
             dynatrain_dot_agent_dot_v1_dot_agent__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Agent/Checkpoint',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.CheckpointRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

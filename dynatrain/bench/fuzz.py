@@ -76,6 +76,7 @@ SERVICE = "/dynatrain.agent.v1.Agent/"
 METHODS = {"Prepare": (agent_pb2.PrepareRequest, agent_pb2.PrepareResponse),
            "Commit": (agent_pb2.CommitRequest, agent_pb2.CommitResponse),
            "Abort": (agent_pb2.AbortRequest, agent_pb2.AbortResponse),
+           "Checkpoint": (agent_pb2.CheckpointRequest, agent_pb2.CheckpointResponse),
            "Status": (agent_pb2.StatusRequest, agent_pb2.StatusResponse)}
 C = grpc.StatusCode
 

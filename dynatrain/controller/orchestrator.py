@@ -123,8 +123,8 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
 
     ``restore`` makes it a recovery (the old generation failed; its failed devices take no
     part); ``checkpoint`` (with ``old=None``) starts ``new`` from a checkpoint.
-    ``device_nodes`` (device -> node, where known for every device of ``new``) tells the
-    workers where their mirrors go.
+    ``device_nodes`` (device -> node) tells the workers where their mirrors go and which
+    links the plan's transfers cross (sent for each layout whose every device it names).
 
     ``watch(phase)`` is called about every 0.1 s while the switch waits (``phase`` is
     ``"prepare"`` or ``"commit"``): the caller takes in the signals that arrived meanwhile.
@@ -137,8 +137,9 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
     record = SwitchRecord(generation, old.to_text() if old else "", new.to_text(), reason,
                           old.world if old else 0, new.world)
     known = device_nodes or {}
-    nodes = ([known[d] for d in new.device_of]
-             if all(d in known for d in new.device_of) else [])
+
+    def nodes_of(devices):                     # all or nothing: a partial list is refused
+        return [known[d] for d in devices] if all(d in known for d in devices) else []
 
     def prepare(d):
         return clients[d].prepare(
@@ -150,7 +151,8 @@ def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None,
             restore_step=restore.step if restore else 0,
             failed_devices=list(restore.failed) if restore else [],
             proxies=restore.proxies if restore else None, checkpoint=checkpoint,
-            device_nodes=nodes)
+            device_nodes=nodes_of(new.device_of),
+            old_device_nodes=nodes_of(old.device_of) if old else [])
 
     t0 = time.monotonic()
     errors = [(d, r) for d, r in zip(members, _fan_out(prepare, members))

@@ -123,6 +123,10 @@ class StepControl:
                 raise CommitTimeout(f"no switch within {timeout_s} s")
             return self.switched
 
+    def write_checkpoint(self, generation, stop, timeout_s):
+        self._enter("write_checkpoint")
+        raise PreconditionFailed("this control writes no checkpoints")
+
     def abort(self, generation, reason):
         self._enter("abort")
         with self.cond:
@@ -275,6 +279,7 @@ class StepControlStub:
     def prepare(self, *a, **kw): raise AssertionError
     def commit(self, *a): raise AssertionError
     def abort(self, *a): raise AssertionError
+    def write_checkpoint(self, *a): raise AssertionError
     def status(self, *a): raise AssertionError
 
 
@@ -609,6 +614,18 @@ def test_old_layout_is_checked_and_bound_to_its_devices():
     assert check_prepare(agent_pb2.PrepareRequest(**base, device_nodes=["n1", "n2"])).nodes \
         == {0: "n1", 1: "n2"}
     assert check_prepare(agent_pb2.PrepareRequest(**base)).nodes == {}
+    # ...and where each old device runs (a leaver's transfers are priced by its node too).
+    moved = dict(old_layout="tp=2,pp=2", old_devices=[3, 1, 0, 2])
+    assert check_prepare(agent_pb2.PrepareRequest(
+        **base, **moved, device_nodes=["n1", "n2"],
+        old_device_nodes=["n3", "n2", "n1", "n1"])).nodes == {0: "n1", 1: "n2", 2: "n1",
+                                                               3: "n3"}
+    for bad, needle in [(dict(old_device_nodes=["n1"]), "old_device_nodes lists 1"),
+                        (dict(old_device_nodes=["a", "", "b", "c"]), "old_device_nodes"),
+                        (dict(device_nodes=["n1", "n2"], old_device_nodes=["a", "n9", "b", "c"]),
+                         "device 1 is on node 'n2' in device_nodes but on 'n9'")]:
+        with pytest.raises(InvalidRequest, match=needle):
+            check_prepare(agent_pb2.PrepareRequest(**base, **moved, **bad))
     for bad, needle in [(dict(old_layout="tp=2", old_devices=[0]), "old_devices"),
                         (dict(old_layout="tp=two", old_devices=[0, 1]), "old_layout"),
                         (dict(old_devices=[0, 1]), "without old_layout"),

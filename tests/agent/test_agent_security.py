@@ -35,10 +35,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dynatrain.agent.auth import (AuthConfigError, ClientTls, ServerTlsDir, TlsFiles,
                                   bearer_metadata, client_name_problem)
 from dynatrain.agent.client import AgentCallError, AgentClient
-from dynatrain.agent.server import (ANSWER_CODES, MAX_DEVICES_PER_NODE, MAX_MESSAGE_BYTES,
+from dynatrain.agent.server import (ANSWER_CODES, DEFAULT_COMMIT_TIMEOUT_S,
+                                    MAX_DEVICES_PER_NODE, MAX_MESSAGE_BYTES,
                                     MAX_STAGING_BYTES, MAX_TEXT, MAX_TIMEOUT_S, MAX_WORLD,
                                     InvalidRequest, PreconditionFailed, check_abort,
-                                    check_commit, check_prepare, check_rendezvous,
+                                    check_checkpoint, check_commit, check_prepare, check_rendezvous,
                                     check_rendezvous_owner, peer_host, serve)
 from dynatrain.agent.v1 import agent_pb2
 from dynatrain.bench.fuzz import spawn_worker
@@ -184,6 +185,9 @@ class GateControl:
     def abort(self, generation, reason):
         return False
 
+    def write_checkpoint(self, generation, stop, timeout_s):
+        raise AssertionError("not called")
+
     def status(self, since_step):
         return agent_pb2.StatusResponse(state=agent_pb2.StatusResponse.TRAINING)
 
@@ -255,6 +259,12 @@ def test_commit_and_abort_bounds():
         check_commit(agent_pb2.CommitRequest(generation=1, timeout_seconds=MAX_TIMEOUT_S * 2))
     assert check_commit(agent_pb2.CommitRequest(generation=1,
                                                 timeout_seconds=MAX_TIMEOUT_S))[2] == 3600
+    with pytest.raises(InvalidRequest, match="MAX_TIMEOUT_S"):
+        check_checkpoint(agent_pb2.CheckpointRequest(generation=1, timeout_seconds=-1))
+    with pytest.raises(InvalidRequest, match="generation=0 is invalid"):
+        check_checkpoint(agent_pb2.CheckpointRequest(generation=0))
+    assert check_checkpoint(agent_pb2.CheckpointRequest(generation=3, stop=True)) == (
+        3, True, DEFAULT_COMMIT_TIMEOUT_S)
     with pytest.raises(InvalidRequest, match="reason has 4097 characters"):
         check_abort(agent_pb2.AbortRequest(generation=1, reason="r" * (MAX_TEXT + 1)))
 

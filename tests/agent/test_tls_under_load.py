@@ -94,6 +94,7 @@ _AGENT = textwrap.dedent("""
         def commit(self, generation, at_step, timeout_s):
             return agent_pb2.CommitResponse(generation=generation)
         def abort(self, generation, reason): return False
+        def write_checkpoint(self, generation, stop, timeout_s): raise AssertionError
         def status(self, since_step):
             return agent_pb2.StatusResponse(state=agent_pb2.StatusResponse.TRAINING)
 

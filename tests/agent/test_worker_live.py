@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,13 +25,22 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _spawn(tmp: Path, job: Path, token: Path, device: int):
-    proc, info = spawn_worker(tmp, job, token, device)
+def _spawn(tmp: Path, job: Path, token: Path, device: int, extra=()):
+    proc, info = spawn_worker(tmp, job, token, device, extra=tuple(extra))
     return proc, f"127.0.0.1:{info['agent_port']}"
 
 
 @pytest.fixture
 def workers(tmp_path):
+    yield from _workers(tmp_path)
+
+
+@pytest.fixture
+def checkpointing_workers(tmp_path):
+    yield from _workers(tmp_path, "--checkpoint-dir", str(tmp_path / "checkpoints"))
+
+
+def _workers(tmp_path, *extra):
     doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     doc["spec"]["training"]["steps"] = 100000
     doc["spec"]["globalBatchSize"] = 4
@@ -42,7 +52,7 @@ def workers(tmp_path):
     procs, clients = [], {}
     try:
         for d in range(2):
-            proc, addr = _spawn(tmp_path, job, token, d)
+            proc, addr = _spawn(tmp_path, job, token, d, extra)
             procs.append(proc)
             clients[d] = AgentClient(addr, token_file=str(token))
             clients[d].wait_healthy(30)
@@ -88,8 +98,14 @@ def test_bad_requests_are_refused_while_training_goes_on(workers):
                                       old_devices=[0])) == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(lambda: c0.prepare(2, "dp=2", [0, 1], rdv, old_layout="dp=2",
                                       old_devices=[0, 1])) == grpc.StatusCode.FAILED_PRECONDITION
+    # a checkpoint of a generation that is not running, and one with nowhere to go (this
+    # worker has no --checkpoint-dir): refused, and training goes on
+    assert code_of(lambda: c0.checkpoint(7)) == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(AgentCallError, match="no checkpoint directory") as e:
+        c0.checkpoint(1, stop=True)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     with grpc.insecure_channel(c0.address) as ch:
-        for method in ("Prepare", "Commit", "Abort", "Status"):
+        for method in ("Prepare", "Commit", "Abort", "Status", "Checkpoint"):
             with pytest.raises(grpc.RpcError) as e:
                 ch.unary_unary(f"/dynatrain.agent.v1.Agent/{method}")(
                     b"\xff\xff garbage", metadata=bearer_metadata(token), timeout=5)
@@ -137,3 +153,39 @@ def test_sigterm_is_a_notice_the_worker_trains_on_and_leaves_when_switched_out(w
     assert rec.result == "success"
     assert procs[0].wait(15) == 0                   # out of the job: it exits cleanly
     _wait_steps(c1, 2)
+
+
+def test_a_checkpoint_with_stop_is_written_at_one_agreed_step_and_training_stops(
+        checkpointing_workers, tmp_path):
+    # A suspend: every rank writes its part at the same boundary (agreed through the step's
+    # own all-reduce, whatever step each rank's call arrived at), answers with the same
+    # path and step, trains no further, and exits at once when told to leave.
+    clients, rdv, token, procs = checkpointing_workers
+    two = parse_layout("dp=2").with_devices([0, 1])
+    switch(clients, 1, None, two, rdv, reason="start")
+    _wait_steps(clients[0], 3)
+    with pytest.raises(AgentCallError) as e:
+        clients[0].checkpoint(2, stop=True)            # generation 2 does not run
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(clients[0].checkpoint, 1, stop=True, timeout_s=60)
+        time.sleep(0.3)                                # the second call arrives steps later
+        second = pool.submit(clients[1].checkpoint, 1, stop=True, timeout_s=60)
+        replies = [first.result(90), second.result(90)]
+    assert replies[0].step == replies[1].step > 3
+    assert replies[0].path == replies[1].path
+    written = Path(replies[0].path)
+    assert written.is_relative_to(tmp_path / "checkpoints") and (written / ".metadata").exists()
+    time.sleep(1.0)
+    for c in clients.values():
+        st = c.status()
+        assert st.state == agent_pb2.StatusResponse.SUSPENDED
+        assert st.step == replies[0].step                # no step after the checkpoint
+        assert (st.checkpoint, st.checkpoint_step) == (replies[0].path, replies[0].step)
+    with pytest.raises(AgentCallError) as e:            # suspended: nothing more to write
+        clients[0].checkpoint(1)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    for p in procs:
+        p.send_signal(signal.SIGTERM)                  # a suspended worker has nothing to
+    for p in procs:                                    # hand over: it stops at once
+        assert p.wait(15) == 0
