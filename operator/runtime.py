@@ -65,7 +65,7 @@ from kubernetes.client.rest import ApiException
 from dynatrain.agent.auth import ClientTls
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import Metrics
-from dynatrain.controller.core import JobController, JobFailed
+from dynatrain.controller.core import JobController, JobFailed, SuspendFailed
 from dynatrain.controller.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
                                            profile_for_node_labels)
 from dynatrain.controller.job import JobError, job_from_manifest
@@ -241,6 +241,10 @@ class JobRuntime:
         self.start_time: str | None = published.get("startTime")
         """When the job first trained (``status.startTime``), kept across operator restarts."""
         self.completion_time: str | None = published.get("completionTime")
+        self.suspension: dict | None = published.get("suspension")
+        """``status.suspension`` ({checkpoint, step, time}): the checkpoint a suspend wrote,
+        which the job continues from when resumed; kept in the status (a restarted operator
+        reads it back) until the resumed job has started from it."""
         self.last_switch: dict | None = (body.get("status") or {}).get("lastSwitch")
         """As published; a restarted operator (or a replica taking over) keeps the last."""
         self.data_audit: dict | None = None
@@ -387,6 +391,9 @@ class JobRuntime:
         # spec.recovery.resumeFrom: the first generation starts from that checkpoint (on the
         # claim every worker mounts), under whatever layout fits the workers at hand.
         self.controller.resume_from = job.recovery.resume_from
+        if self.suspension:              # suspended before this operator started
+            self.controller.restart_from(self.suspension["checkpoint"],
+                                         int(self.suspension["step"]))
         self.controller.before_switch = self._switching
         self.controller.on_answer = self._answered
         self.controller.intake = self._intake
@@ -666,6 +673,8 @@ class JobRuntime:
 
     def _tick(self) -> None:
         nodes, workers = self._observe()
+        if self._suspended():
+            return
         self._take_in(workers)
         if not self.over:
             self._scale(workers, nodes)
@@ -696,6 +705,58 @@ class JobRuntime:
             self._delete_all_pods("the job succeeded")
         else:
             self.phase = "Running"
+
+    def _suspended(self) -> bool:
+        """``spec.suspend``: a training job writes a checkpoint at a step every member agrees
+        on (to its claim) and its pods are removed; a job that had not started just loses its
+        pods. Set back to false, the job creates pods again and continues from that
+        checkpoint under whatever layout fits them. True while suspended (the pass ends)."""
+        c, gen = self.controller, self._generation()
+        if not self.job.suspend:
+            if self.phase == "Suspended":
+                text = (f"continuing from the checkpoint of step {self.suspension['step']}"
+                        if self.suspension else "starting")
+                self.conditions.set("Suspended", False, "Resumed", text, gen)
+                self._event("Normal", "Resumed", text)
+                self.log(f"job {self.name}: resumed: {text}")
+                self.phase, self.created = "Pending", time.monotonic()
+            return False
+        if c.layout is not None:          # training: its state goes to the claim first
+            if not self.job.recovery.checkpoint_dir:
+                text = ("spec.suspend is set, but the job has no spec.checkpoint claim to "
+                        "write its state to, so suspending would lose its training: it trains "
+                        "on (delete the job, or run it again with spec.checkpoint)")
+                if self.conditions.set("Suspended", False, "NoCheckpointClaim", text, gen):
+                    self._event("Warning", "NoCheckpointClaim", text)
+                return False
+            try:
+                path, step = c.suspend()
+            except SuspendFailed as e:
+                text = f"the checkpoint of the suspend was not written: {e}; trying again"
+                if self.conditions.set("Suspended", False, "CheckpointFailed", text, gen):
+                    self._event("Warning", "CheckpointFailed", text)
+                self.log(f"job {self.name}: {text}")
+                return False
+            self.suspension = {"checkpoint": path, "step": step, "time": _now().isoformat()}
+            c.restart_from(path, step)    # the clients go; resumed, it starts from there
+            self.adopted = False
+            self.phase = "Suspended"
+            self._publish(force=True)     # kept before the pods go: nothing else holds it
+        self.phase = "Suspended"
+        text = ("no worker pods while spec.suspend is true" + (
+            f"; the job continues from the checkpoint of step {self.suspension['step']} "
+            f"({self.suspension['checkpoint']}) when it is set to false"
+            if self.suspension else ""))
+        if self.conditions.set("Suspended", True, "Suspended", text, gen):
+            self._event("Normal", "Suspended", text)
+            self.log(f"job {self.name}: suspended: {text}")
+        for d in list(c.clients):         # pods not yet members (standby, joining)
+            c.remove_device(d)
+        self.adopted = False
+        # The default grace: a suspended worker holds nothing the checkpoint does not and
+        # stops at once on SIGTERM.
+        self._delete_all_pods("the job is suspended")
+        return True
 
     def _take_in(self, workers) -> None:
         """Capacity signals from the worker pods: gone, unhealthy, doomed, newly up."""
@@ -955,6 +1016,7 @@ class JobRuntime:
         else:
             self._event("Normal", "Started", f"started {r.to_layout} on workers "
                         f"{list(c.members)}")
+            self.suspension = None        # started from it: the checkpoints go on as usual
         for d, w in workers.items():
             if d in c.lost and d not in self.left:    # died without notice: replace its pod
                 self.left.add(d)
@@ -1001,7 +1063,8 @@ class JobRuntime:
 
     def _delete_all_pods(self, why: str, grace: int | None = None) -> None:
         for p in self.view.job_pods(self.namespace, self.name):
-            if k.owned_by(p, self.uid) and p.metadata.deletion_timestamp is None:
+            if (k.owned_by(p, self.uid) and p.metadata.deletion_timestamp is None
+                    and (grace is not None or p.metadata.name not in self.deleting)):
                 self.log(f"job {self.name}: deleting pod {p.metadata.name}: {why}")
                 self._delete_pod(p.metadata.name, grace=grace)
 
@@ -1033,6 +1096,8 @@ class JobRuntime:
             st["startTime"] = self.start_time
         if self.completion_time:
             st["completionTime"] = self.completion_time
+        # None once resumed: the status is merge-patched, where null removes the field.
+        st["suspension"] = self.suspension
         self._running_condition()
         st["conditions"] = self.conditions.as_list()
         if c is not None and c.progress.loss is not None:
@@ -1050,7 +1115,8 @@ class JobRuntime:
         training = self.phase in ("Running", "Switching")
         self.conditions.set("Running", training, self.phase,
                             "training" if training else
-                            "waiting for workers" if self.phase == "Pending" else "ended",
+                            "waiting for workers" if self.phase == "Pending" else
+                            "suspended (spec.suspend)" if self.phase == "Suspended" else "ended",
                             self._generation())
 
     def _audit(self) -> dict:

@@ -118,3 +118,17 @@ def test_model_spec_file_on_the_command_line(tmp_path):
     out = run("plan", "--model", str(spec), "--from", "pp=3", "--to", "tp=2", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["model"] == "mine"
+
+
+def test_run_refuses_a_suspended_job_saying_how_to_run_it(tmp_path):
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).parents[1] / "examples" / "quickstart.yaml")
+                         .read_text())
+    doc["spec"]["suspend"] = True
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    out = run("run", str(job))
+    assert out.returncode == 2, out.stderr
+    assert "spec.suspend is true" in out.stderr and "--resume-from" in out.stderr
+    assert "Traceback" not in out.stderr

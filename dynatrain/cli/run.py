@@ -103,6 +103,11 @@ def run_job(args) -> int:
 
     job = load_job(args.job)
     scenario = load_scenario(args.scenario) if args.scenario else Scenario(None, ())
+    if job.suspend:
+        raise UsageError(f"{args.job}: spec.suspend is true: a suspended job does not run "
+                         "(on a cluster the operator keeps it checkpointed without pods); set "
+                         "it to false to run it here, with --resume-from to continue from "
+                         "its checkpoint")
     if job.gpus_per_worker > 1:
         raise UsageError(f"spec.resources.gpus={job.gpus_per_worker}: the local runner runs "
                          "one device per worker; use gpus: 0 (CPU) or 1")

@@ -47,6 +47,10 @@ class JobFailed(RuntimeError):
     """The job cannot go on; the message says why and what was tried."""
 
 
+class SuspendFailed(RuntimeError):
+    """No checkpoint was written for a suspend; the message says why (the job trains on)."""
+
+
 @dataclass
 class LayoutRequest:
     """A layout a user asked for, and the controller's answer to it."""
@@ -189,11 +193,39 @@ class JobController:
         self.doomed.clear()
         self.failed.clear()
         self.layout = None
+        self.generation_running = 0          # none runs (the count goes on: ``generation``)
         self.interrupted_since = None
         self.resume_from = checkpoint
         self._rewind(step)
         self._seen.clear()
         self._report_workers()
+
+    def suspend(self) -> tuple[str, int]:
+        """Every member writes its part of one checkpoint at a step boundary they agree on
+        and trains no further (``spec.suspend``); returns (path, step). The front end then
+        removes the workers and, to resume, calls :meth:`restart_from` with what this
+        returned: the job continues from that step under whatever layout fits the workers
+        it then has. Raises :class:`SuspendFailed` (the job trains on, or is recovered if a
+        member died inside the collective save)."""
+        from .orchestrator import _fan_out
+
+        if self.layout is None or self._in_switch is not None:
+            raise SuspendFailed("no generation is running" if self.layout is None
+                                else "a switch is in flight")
+        members, g = self.members, self.generation_running
+        replies = _fan_out(lambda d: self.clients[d].checkpoint(
+            g, stop=True, timeout_s=self.timeouts.commit_s), members)
+        bad = [f"device {d}: {r}" for d, r in zip(members, replies) if isinstance(r, Exception)]
+        if bad:
+            raise SuspendFailed("; ".join(bad))
+        written = {(r.path, r.step) for r in replies}
+        if len(written) != 1:       # one agreed boundary: every rank answers the same
+            raise SuspendFailed(f"the members answered different checkpoints: {sorted(written)}")
+        self.poll(judge=False)      # the last steps' records (their reads) before they go
+        path, step = written.pop()
+        self.log(f"suspended at step {step}: every member wrote its part of {path} and "
+                 "trains no further")
+        return path, step
 
     def request_layout(self, layout: Layout) -> LayoutRequest:
         """A user asked for this layout (``parallelism.mode: fixed``). It is applied at the
@@ -286,7 +318,7 @@ class JobController:
         running = [st for st in statuses.values()
                    if st.state in (State.TRAINING, State.FINISHED, State.SWITCHING)
                    and st.generation > 0]
-        self.generation = max([st.generation for st in statuses.values()]
+        self.generation = max([self.generation] + [st.generation for st in statuses.values()]
                               + [st.prepared_generation for st in statuses.values()] + [0])
         if not running:
             return "no running generation: starting fresh"

@@ -164,6 +164,9 @@ class JobSpec:
     log_every: int = 10
     """``spec.output.logEverySteps``: the job's rank 0 logs a step line every this many steps
     (switches and recoveries always)."""
+    suspend: bool = False
+    """``spec.suspend``: the operator checkpoints the job to its claim and removes its pods;
+    set back to false, the job continues from that checkpoint under whatever layout fits."""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     def tensorboard_dir(self, checkpoint_dir: str = "") -> str:
@@ -428,6 +431,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                               f"dp * spec.training.microBatchSize = {layout.dp} * {mbs} must "
                               f"divide {gbs_text}: every data-parallel rank takes the same "
                               "number of whole micro-batches")
+    suspend = r.bool(spec, "suspend", "spec", False)
     if model is not None and training.seq_len > model.max_seq_len:
         r.problems.append(f"spec.training.seqLen={training.seq_len} exceeds the model's "
                           f"max_seq_len {model.max_seq_len}")
@@ -440,7 +444,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    issuer_ref=issuer_ref,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
                    recovery=recovery, save_hf=save_hf, tensorboard=tensorboard,
-                   log_every=log_every)
+                   log_every=log_every, suspend=suspend)
 
 
 def _issuer_ref(r: _Reader, ref) -> dict | None:

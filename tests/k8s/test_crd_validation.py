@@ -10,8 +10,8 @@ about what a valid job is; for the invalid manifests whose fields the parser che
 refuse them too, naming the same field.
 
 Updates: a running job may change only ``spec.elastic``, ``spec.parallelism`` and
-``spec.preemptionPolicy`` (the operator applies them live), and ``spec.ttlSecondsAfterFinished``
-(read once the job ends). Every other spec field is immutable
+``spec.preemptionPolicy`` (the operator applies them live), ``spec.suspend``, and
+``spec.ttlSecondsAfterFinished`` (read once the job ends). Every other spec field is immutable
 (CEL transition rules): changing, adding or removing it is refused with a message that names it,
 while updates that leave the spec alone (status, finalizers, annotations) always pass.
 """
@@ -294,6 +294,7 @@ INVALID = [
          "spec.hardware.profile", False),
     Case("ttl-negative", setting("spec.ttlSecondsAfterFinished", -1),
          "spec.ttlSecondsAfterFinished", False),
+    Case("suspend-not-boolean", setting("spec.suspend", "yes"), "spec.suspend", True),
     Case("shm-size-not-quantity", setting("spec.resources.shmSize", "big"),
          "spec.resources.shmSize", False),
 ]
@@ -570,6 +571,7 @@ MUTABLE = {
     "preemption-policy": {"preemptionPolicy": "Ignore"},
     "preemption-policy-remove": {"preemptionPolicy": None},
     "ttl-after-finished": {"ttlSecondsAfterFinished": 600},
+    "suspend": {"suspend": True},
 }
 
 
@@ -578,7 +580,8 @@ def test_every_spec_field_is_classified():
     schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]
     fields = set(schema["openAPIV3Schema"]["properties"]["spec"]["properties"])
     immutable = {e.field.removeprefix("spec.") for e in IMMUTABLE}
-    mutable = {"elastic", "parallelism", "preemptionPolicy", "ttlSecondsAfterFinished"}
+    mutable = {"elastic", "parallelism", "preemptionPolicy", "suspend",
+               "ttlSecondsAfterFinished"}
     assert fields == immutable | mutable and not immutable & mutable
     assert {k for p in MUTABLE.values() for k in p} == mutable
     for f in immutable - {"image", "model", "resources"}:    # the optional ones

@@ -15,13 +15,15 @@ shares, as a ReadWriteMany volume would), bound by kube-controller-manager's bin
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from operator_process import agent_client, get as _get, job as _job, wait as _wait
+from operator_process import (agent_client, condition, events, get as _get, job as _job,
+                              job_pods, wait as _wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 INTERVAL = 6
@@ -144,3 +146,71 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
         _get(custom, namespace, resumed)["status"].get("data", {})), timeout=90)
     assert data["auditedFrom"] == newest.checkpoint_step + 1 and data["exactlyOnce"], data
     kubectl("delete", "dynatrainjob", resumed, "-n", namespace, "--wait=false")
+
+
+def test_suspend_checkpoints_at_an_agreed_step_removes_the_pods_and_resume_continues_there(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    op, pods = operator
+    core = devcluster.core()
+    custom = client.CustomObjectsApi(devcluster.api_client())
+    _claim(core, namespace, "held")
+    name = "held"
+    # Periodic checkpoints far apart: the suspend's own checkpoint is the one resumed from.
+    doc = _checkpointed(name, "held", parallelism={"mode": "auto"},
+                        elastic={"minWorkers": 1, "maxWorkers": 2})
+    doc["spec"]["checkpoint"]["intervalSteps"] = 100000
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    kubectl("apply", "-n", namespace, "-f", str(manifest))
+    _wait("the job to train on 2 workers", lambda: (
+        lambda s: s if s.get("phase") == "Running" and s.get("workers") == 2
+        and s.get("step", 0) >= 3 else None)(_get(custom, namespace, name).get("status", {})),
+        timeout=180)
+
+    kubectl("patch", "dynatrainjob", name, "-n", namespace, "--type=merge",
+            "-p", '{"spec":{"suspend":true}}')
+    st = _wait("the job suspended", lambda: (
+        lambda s: s if s.get("phase") == "Suspended" and s.get("suspension") else None)(
+        _get(custom, namespace, name).get("status", {})), timeout=120)
+    held = st["suspension"]
+    cond = condition(custom, namespace, name, "Suspended")
+    assert cond["status"] == "True" and f"step {held['step']}" in cond["message"], cond
+    assert condition(custom, namespace, name, "Running")["status"] == "False"
+    # Every worker wrote its part of one checkpoint, in the job's folder of the claim.
+    written = Path(held["checkpoint"])
+    assert written.parent == Path(pods.claim_dir(namespace, "held")) / name
+    assert (written / ".metadata").exists() and held["step"] >= 3
+    _wait("the worker pods removed", lambda: not job_pods(core, namespace, name), timeout=90)
+    time.sleep(2)                                 # suspended: nothing trains, nothing comes
+    st = _get(custom, namespace, name)["status"]
+    assert not job_pods(core, namespace, name) and st["step"] == held["step"], st
+    assert "Suspended" in [e.reason for e in events(core, namespace, name)]
+    # An operator that starts while the job is suspended (a restart, a new leader) reads
+    # where to continue from in the status, and creates no pods meanwhile.
+    op.kill()
+    op.start()
+    _wait("the new operator to lead", lambda: op.logs().count("leads (Lease") >= 2,
+          timeout=60)
+    time.sleep(3)
+    assert not job_pods(core, namespace, name)
+    assert _get(custom, namespace, name)["status"]["phase"] == "Suspended"
+
+    kubectl("patch", "dynatrainjob", name, "-n", namespace, "--type=merge",
+            "-p", '{"spec":{"suspend":false}}')
+    st = _wait("the job resumed past the checkpoint", lambda: (
+        lambda s: s if s.get("phase") == "Running" and s.get("step", 0) > held["step"] + 2
+        else None)(_get(custom, namespace, name).get("status", {})), timeout=180)
+    assert f"started from checkpoint {held['checkpoint']} at step {held['step']}" \
+        in op.logs(), op.logs()[-3000:]
+    assert "suspension" not in st                 # started from it: cleared
+    cond = condition(custom, namespace, name, "Suspended")
+    assert cond["status"] == "False" and cond["reason"] == "Resumed", cond
+    # Nothing trained twice, nothing skipped (this operator audits from the checkpoint on:
+    # the reads before it were recorded by the one it replaced).
+    data = _wait("the audit past the resume", lambda: (lambda d: d if d.get(
+        "auditedStep", 0) > held["step"] + 2 else None)(
+        _get(custom, namespace, name)["status"].get("data", {})), timeout=90)
+    assert data["auditedFrom"] == held["step"] + 1 and data["exactlyOnce"], data
+    assert data["retrainedSteps"] == 0, data
+    assert op.starts == 2 and op.proc.poll() is None
+    kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false")

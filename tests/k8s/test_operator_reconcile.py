@@ -79,6 +79,22 @@ def test_an_unfit_spec_is_named_and_a_fixed_one_runs_without_a_restart(
         condition(custom, namespace, "fixme", "LayoutRequest")), timeout=30)
     assert req["status"] == "True" and "dp=1,tp=2,pp=1: applied at step" in req["message"]
     assert "LayoutRequestApplied" in [e.reason for e in events(core, namespace, "fixme")]
+
+    # Suspending a job with no checkpoint claim would lose its training: refused by a
+    # condition that says why, and the job trains on with its pods.
+    before = {p.metadata.name for p in job_pods(core, namespace, "fixme")}
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fixme", {
+        "spec": {"suspend": True}})
+    cond = wait("the Suspended condition", lambda: _false(custom, namespace, "fixme",
+                                                          "Suspended"), timeout=30)
+    assert cond["reason"] == "NoCheckpointClaim" and "spec.checkpoint" in cond["message"]
+    step = get(custom, namespace, "fixme")["status"]["step"]
+    wait("training to go on", lambda: get(custom, namespace, "fixme")["status"].get(
+        "step", 0) > step + 1, timeout=60)
+    assert get(custom, namespace, "fixme")["status"]["phase"] == "Running"
+    after = job_pods(core, namespace, "fixme")
+    assert before <= {p.metadata.name for p in after} and before
+    assert not any(p.metadata.deletion_timestamp for p in after)
     assert op.starts == 1 and op.proc.poll() is None
     kubectl("delete", "dynatrainjob", "fixme", "-n", namespace, "--wait=false")
 
