@@ -5,6 +5,8 @@ plans, and prints either a readable summary or one JSON object for scripts and b
 Besides bytes it reports the modelled pause on a two-tier network (NVLink inside a node, a NIC
 per GPU between nodes; :mod:`dynatrain.vps.timemodel`) and its lower bound. ``--estimate``
 prints that pause for the paper's cases (or for the one given) next to the published figures.
+``--memory`` prints GPU and host memory and the redundancy's cost per step
+(:mod:`dynatrain.controller.memory`) for the built-in 7B and 70B cases or the layout given.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def register(sub) -> None:
         "0..N_new-1.",
         epilog="examples:\n  dynatrain plan --model gpt-125m --from dp=4 --to dp=2,tp=2,zero=1\n"
         "  dynatrain plan --estimate\n"
+        "  dynatrain plan --memory\n"
+        "  dynatrain plan --memory --model llama-7b --from dp=8,zero=1 --to dp=4,zero=1 "
+        "--profile a100-40gb\n"
         "  dynatrain plan --estimate --model llama-70b --from tp=8,pp=4,dp=4 "
         "--to tp=8,pp=4,dp=3",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,6 +92,26 @@ def register(sub) -> None:
                    "four ports in parallel, slowest device) and its lower bound. Alone, for "
                    "the paper's cases (Llama-2 70B and Qwen3-235B-A22B on H100 nodes) next to "
                    "the published figures; with --model/--from/--to, for that switch")
+    p.add_argument("--memory", action="store_true",
+                   help="print GPU memory per device (a training step, and the switch), host "
+                   "memory per node (the snapshots and mirrors, also while a switch keeps the "
+                   "previous generation's) and the per-step cost of the redundancy, against "
+                   "--profile. Alone, for llama-7b dp=8 ZeRO-1 and llama-70b tp=8,pp=4,dp=4 "
+                   "each losing a node; with --model/--from (and --to), for that layout")
+    p.add_argument("--profile", default="h100", metavar="P",
+                   help="device profile of --memory (default h100; see dynatrain.controller."
+                   "hardware.PROFILES)")
+    p.add_argument("--global-batch", type=int, default=256, metavar="N",
+                   help="--memory: sequences per step (default 256)")
+    p.add_argument("--micro-batch", type=int, default=1, metavar="N",
+                   help="--memory: sequences per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=int, default=4096, metavar="N",
+                   help="--memory: tokens per sequence (default 4096)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="--memory: with per-block activation checkpointing")
+    p.add_argument("--mirror-gbps", type=float, default=None, metavar="G",
+                   help="--memory: rate of the mirrors between nodes, Gb/s (default: the "
+                   "profile's inter-node rate, at most 24 Gb/s, what gloo's TCP reaches)")
     p.add_argument("--verify", action="store_true",
                    help="also check the plan element by element against the mapping "
                    "(slow for large models)")
@@ -137,6 +162,8 @@ def run_plan(args) -> int:
     links = _links(args)
     given = [f for f, v in (("--model", args.model), ("--from", args.old), ("--to", args.new))
              if v is not None]
+    if args.memory:
+        return run_memory(args, given)
     if args.estimate and not given:
         return run_estimate(args, links)
     if len(given) < 3:
@@ -170,6 +197,63 @@ def run_plan(args) -> int:
         print(json.dumps(out))
         return 0
     print(render_plan(plan, stats, verified=args.verify))
+    return 0
+
+
+def run_memory(args, given) -> int:
+    """``--memory``: :mod:`dynatrain.controller.memory`'s figures, for the built-in cases or
+    for the layout (and switch) given."""
+    from dynatrain.controller.costmodel import SolverError
+    from dynatrain.controller.hardware import PROFILES
+    from dynatrain.controller.memory import builtin_reports, memory_report, render
+
+    if args.profile not in PROFILES:
+        raise UsageError(f"--profile={args.profile!r} is not a device profile; valid: "
+                         f"{', '.join(PROFILES)}")
+    profile = PROFILES[args.profile]
+    for flag, value in (("--global-batch", args.global_batch),
+                        ("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise UsageError(f"{flag}={value} must be >= 1")
+    if args.mirror_gbps is not None and not 0 < args.mirror_gbps < float("inf"):
+        raise UsageError(f"--mirror-gbps={args.mirror_gbps:g} must be a positive rate in Gb/s")
+    mirror = args.mirror_gbps * 1e9 / 8 if args.mirror_gbps else None
+    if not given:
+        reports = builtin_reports(profile, mirror_bytes_per_second=mirror)
+    else:
+        if args.model is None or args.old is None:
+            raise UsageError("--memory with a layout needs --model and --from (--to adds the "
+                             "switch); alone it prints the built-in cases")
+        model = load_model(args.model)
+        old = parse_layout(args.old)
+        old_devices = parse_devices(args.from_devices, "--from-devices")
+        if old_devices is not None and len(old_devices) != old.world:
+            raise UsageError(f"--from {old.to_text()} has {old.world} ranks but "
+                             f"{len(old_devices)} devices are given")
+        old = old.with_devices(old_devices or range(old.world))
+        new = None
+        if args.new is not None:
+            new_devices = parse_devices(args.to_devices, "--to-devices")
+            new = parse_layout(args.new)
+            new_devices = new_devices or tuple(range(new.world))
+            if len(new_devices) != new.world:
+                raise UsageError(f"--to {new.to_text()} has {new.world} ranks but "
+                                 f"{len(new_devices)} devices are given")
+            new = (new.with_devices(new_devices) if args.keep_rank_order
+                   else place_devices(model, old, new, new_devices))
+        try:
+            rep = memory_report(model, old, profile, global_batch_size=args.global_batch,
+                                micro_batch_size=args.micro_batch, seq_len=args.seq_len,
+                                new_layout=new, nodes=args.gpus_per_node,
+                                activation_checkpointing=args.activation_checkpointing,
+                                mirror_bytes_per_second=mirror)
+        except SolverError as e:
+            raise UsageError(str(e)) from None
+        reports = [("this layout", rep)]
+    if args.json:
+        print(json.dumps({"cases": [{"name": n, **r.summary()} for n, r in reports]}))
+    else:
+        print("\n\n".join(f"{n}:\n{render(r)}" for n, r in reports))
     return 0
 
 

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 GiB = 1 << 30
+TiB = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,19 @@ class DeviceProfile:
     peak_flops_per_second: float = 0.0
     """The datasheet's dense peak in the training dtype, what model-FLOPs utilisation (MFU) is
     measured against; 0 means ``flops_per_second`` (a profile with no datasheet: the CPU)."""
+
+    host_bytes_per_second: float = 0.0
+    """Device-to-host copy rate into pinned memory (the snapshots); 0 means
+    ``memory_bytes_per_second`` (a CPU "device" copies within its own memory)."""
+    host_memory_bytes: int = 0
+    """Host RAM of one node (the snapshots and mirrors live there); 0 means ``memory_bytes``
+    (a CPU profile's memory is the machine's)."""
+
+    def host_rate(self) -> float:
+        return self.host_bytes_per_second or self.memory_bytes_per_second
+
+    def host_memory(self) -> int:
+        return self.host_memory_bytes or self.memory_bytes
 
     def peak_flops(self) -> float:
         """Per device: :attr:`peak_flops_per_second`, else the sustained matmul rate."""
@@ -138,6 +152,10 @@ def machine_memory() -> int:
 # collective bandwidths are NCCL bus bandwidths that nccl-tests typically report on such
 # systems, below the link's nominal one-way rate; 2 GiB reserved covers the CUDA context,
 # NCCL buffers and allocator fragmentation.
+# Host links: pinned device-to-host copies reach ~50 GB/s on PCIe Gen5 x16 (H100, H200) and
+# ~25 GB/s on Gen4 (A100, L40S, L4). Host RAM per node as the vendors' 8-GPU systems ship it
+# (DGX H100/H200 and DGX A100 640 GB: 2 TiB; DGX A100 320 GB: 1 TiB; L40S/L4 servers: 1 TiB
+# and 512 GiB, typical).
 PROFILES: dict[str, DeviceProfile] = {
     # H100 SXM5 80 GB (NVIDIA datasheet: 989 TFLOPS dense bf16, 3.35 TB/s HBM3, NVLink 4 at
     # 450 GB/s per direction; DGX H100: one 400 Gb/s ConnectX-7 NIC per GPU = 50 GB/s).
@@ -146,7 +164,8 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
         devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=3.0e12,
         attention_flops_per_second=350e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=989e12),
+        peak_flops_per_second=989e12,
+        host_bytes_per_second=50e9, host_memory_bytes=2 * TiB),
     # A100 SXM4 80 GB (312 TFLOPS dense bf16, 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per
     # direction; DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s).
     "a100": DeviceProfile(
@@ -154,21 +173,24 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.8e12,
         attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=312e12),
+        peak_flops_per_second=312e12,
+        host_bytes_per_second=25e9, host_memory_bytes=2 * TiB),
     # A100 SXM4 40 GB: the 80 GB part's compute and links, half the memory, 1.56 TB/s HBM2.
     "a100-40gb": DeviceProfile(
         name="a100-40gb", flops_per_second=205e12, memory_bytes=40 * 10**9,
         intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.4e12,
         attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=312e12),
+        peak_flops_per_second=312e12,
+        host_bytes_per_second=25e9, host_memory_bytes=1 * TiB),
     # H200 SXM 141 GB: H100's compute (989 TFLOPS dense bf16) and NVLink 4, 4.8 TB/s HBM3e.
     "h200": DeviceProfile(
         name="h200", flops_per_second=650e12, memory_bytes=141 * 10**9,
         intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
         devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=4.3e12,
         attention_flops_per_second=350e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=989e12),
+        peak_flops_per_second=989e12,
+        host_bytes_per_second=50e9, host_memory_bytes=2 * TiB),
     # L40S 48 GB (362 TFLOPS dense bf16, 864 GB/s GDDR6): PCIe Gen4 x16 between GPUs, no
     # NVLink (~20 GB/s bus bandwidth through the host), typically 100-200 Gb/s between nodes.
     "l40s": DeviceProfile(
@@ -176,14 +198,16 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=20e9, inter_node_bytes_per_second=12e9,
         devices_per_node=8, latency_seconds=30e-6, memory_bytes_per_second=0.75e12,
         attention_flops_per_second=130e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=362e12),
+        peak_flops_per_second=362e12,
+        host_bytes_per_second=25e9, host_memory_bytes=1 * TiB),
     # L4 24 GB (121 TFLOPS dense bf16, 300 GB/s GDDR6): PCIe Gen4, a 50 Gb/s-class network.
     "l4": DeviceProfile(
         name="l4", flops_per_second=80e12, memory_bytes=24 * 10**9,
         intra_node_bytes_per_second=12e9, inter_node_bytes_per_second=5e9,
         devices_per_node=8, latency_seconds=30e-6, memory_bytes_per_second=0.26e12,
         attention_flops_per_second=40e12, reserved_bytes=1 * GiB,
-        peak_flops_per_second=121e12),
+        peak_flops_per_second=121e12,
+        host_bytes_per_second=25e9, host_memory_bytes=TiB // 2),
     # Worker processes on this machine (the local runner): a static guess per core of a
     # recent x86 server core with AVX-512, from the project's 2-core CI VM (~100 GFLOPS fp32
     # for 512^3 matmuls, ~30 GFLOPS for attention at head dim 32, ~13 GB/s through torch's

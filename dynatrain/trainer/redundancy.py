@@ -190,6 +190,36 @@ def _layout_entries(shards: list[RankShard], start: int) -> tuple[list[_Entry], 
     return out, off
 
 
+@dataclass(frozen=True)
+class SlotSizes:
+    """Bytes of one rank's host buffers, exactly as :class:`Redundancy` packs them (each entry
+    aligned, a header first); what :mod:`dynatrain.controller.memory` models a node with."""
+
+    snapshot: int
+    """One snapshot slot: the rank's whole local state (a Redundancy keeps two)."""
+    unique: int
+    """The leading part of a snapshot slot that goes to the buddy (its unique state)."""
+    mirror: int
+    """One mirror slot: the source's unique state (two are kept); 0 without a source."""
+
+
+def slot_sizes(bound: BoundLayout, rank: int, ranks_per_node: Nodes = 1,
+               mirror: bool = True) -> SlotSizes:
+    """The sizes of ``rank``'s snapshot and mirror slots under ``bound`` (no allocation)."""
+    own, unique = rank_shards(bound, rank), unique_shards(bound, rank)
+    keys = {(rs.tensor.name, rs.state) for rs in unique}
+    _, unique_end = _layout_entries(unique, _HEADER)
+    _, total = _layout_entries([rs for rs in own if (rs.tensor.name, rs.state) not in keys],
+                               unique_end)
+    mirror_end = 0
+    if mirror and bound.layout.world > 1:
+        source = source_map(bound.layout, ranks_per_node)[rank]
+        src_unique = unique_shards(bound, source)
+        if src_unique:
+            mirror_end = _layout_entries(src_unique, _HEADER)[1]
+    return SlotSizes(total, unique_end, mirror_end)
+
+
 def _view(buf: torch.Tensor, e: _Entry) -> torch.Tensor:
     return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
