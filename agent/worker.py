@@ -52,8 +52,9 @@ from pathlib import Path
 import torch
 
 from dynatrain.controller.job import load_job
-from dynatrain.trainer.backend import (BACKENDS, BackendError, asked_for, cuda_index,
-                                       job_backend, torch_device)
+from dynatrain.trainer.backend import (BACKENDS, NCCL_CLEAN_UP_ONLY, NCCL_ERROR_HANDLING,
+                                       BackendError, asked_for, cuda_index, job_backend,
+                                       nccl_error_handling, torch_device)
 from dynatrain.trainer.trainer import warm_up
 
 from .auth import DEFAULT_CLIENT_NAME, AuthConfigError
@@ -163,6 +164,12 @@ def main(argv=None) -> int:
     except BackendError as e:      # at start, one line, before anything serves or trains
         print(f"dynatrain worker: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if backend == "nccl":
+        value, ours = nccl_error_handling()
+        if not ours and value != NCCL_CLEAN_UP_ONLY:
+            print(f"device {args.device}: {NCCL_ERROR_HANDLING}={value} as set: a timed-out "
+                  f"collective may take this process down (DynaTrain sets "
+                  f"{NCCL_CLEAN_UP_ONLY}, clean up only, when it is unset)", flush=True)
     if backend == "gloo" and job.gpus_per_worker:
         print(f"device {args.device}: training on the CPU (gloo) as --backend gloo asks, "
               f"though the job asks for spec.resources.gpus: {job.gpus_per_worker}", flush=True)

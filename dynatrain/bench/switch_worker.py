@@ -85,6 +85,17 @@ def _probe_bandwidth(group, group_rank, device: int, nbytes: int = 64 << 20,
     return nbytes / best
 
 
+def probe_order(device: int, sends, recvs) -> list[tuple[str, int]]:
+    """The order ``device`` posts its probe messages in: ("send", peer) / ("recv", peer), by
+    (source, destination) pair, the order the engine posts a round in
+    (:func:`dynatrain.vps.rounds.schedule_rounds` sorts a round's messages so). Every device
+    derives it from the same global order, so the two ends of a pair meet without either
+    waiting behind an op its peer posts later: under NCCL, where a large send blocks until its
+    receive is posted, every send before every receive deadlocks a cycle of three devices."""
+    pairs = [((device, d), "send", d) for d in sends] + [((s, device), "recv", s) for s in recvs]
+    return [(kind, peer) for _, kind, peer in sorted(pairs)]
+
+
 def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs: dict,
                  dev=None) -> list[float]:
     """Seconds this device takes to move its switch's bytes by the simplest means, with every
@@ -109,8 +120,9 @@ def _probe_floor(group, group_rank, device: int, copied: int, sends: dict, recvs
         t0 = time.perf_counter()
         if copied:
             dst.copy_(src)
-        works = [group.send([buf], group_rank[d], 300 + i) for d, buf in out.items()]
-        works += [group.recv([buf], group_rank[d], 300 + i) for d, buf in into.items()]
+        works = [group.send([out[peer]], group_rank[peer], 300 + i) if kind == "send"
+                 else group.recv([into[peer]], group_rank[peer], 300 + i)
+                 for kind, peer in probe_order(device, out, into)]
         for w in works:
             w.wait()
         _sync(src.device)

@@ -128,3 +128,25 @@ def bench_backend(requested: str, world: int) -> str:
         require_cuda("--backend nccl", count=world,
                      fix="run it on a machine with a GPU per rank, or pass --backend gloo")
     return requested
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+"""ProcessGroupNCCL's ``CleanUpOnly``: a collective past its group's timeout has its
+communicator aborted and its error raised where it is waited on, and the process lives on.
+torch's default (3, ``SkipCleanUp``) and 1 (``TearDown``) take the whole process down
+(``SHOULD_TEAR_DOWN`` in torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp): after a member
+dies, the survivors' abandoned generation still holds ops that time out, and the watchdog would
+kill the very workers a recovery is restoring from."""
+
+
+def nccl_error_handling(environ=None) -> tuple[str, bool]:
+    """Set ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` to :data:`NCCL_CLEAN_UP_ONLY` unless it is set
+    already (an operator of the cluster may know better); before any NCCL group exists, as
+    ProcessGroupNCCL reads it when a group is made. Returns (the value in force, whether it
+    was set here)."""
+    env = os.environ if environ is None else environ
+    if env.get(NCCL_ERROR_HANDLING, "") != "":
+        return env[NCCL_ERROR_HANDLING], False
+    env[NCCL_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
+    return NCCL_CLEAN_UP_ONLY, True
