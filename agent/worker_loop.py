@@ -367,8 +367,8 @@ class Worker(WorkerControl):
             return None, None
         restored = None
         if self.device in p.old_layout.device_of:
-            restored = r.restore(rec.restore_step)
-        mirrored = {dead: r.restore_mirror(rec.restore_step)
+            restored = r.restore(rec.restore_step, self.torch_device)
+        mirrored = {dead: r.restore_mirror(rec.restore_step, self.torch_device)
                     for dead, proxy in rec.proxies.items() if proxy == self.device}
         return restored, mirrored or None
 

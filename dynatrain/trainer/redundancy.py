@@ -224,6 +224,13 @@ def _view(buf: torch.Tensor, e: _Entry) -> torch.Tensor:
     return buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
+def _copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A copy of a slot's view that owns its memory: on ``device`` if it is not the CPU."""
+    if device is None or device.type == "cpu":
+        return t.clone()
+    return t.to(device, copy=True)
+
+
 class _Slot:
     """One host buffer and what it holds: a step, or nothing (``step is None``)."""
 
@@ -381,18 +388,23 @@ class Redundancy:
                          if s.step is not None and s.work is None)
         return own, mirrors
 
-    def restore(self, step: int) -> LocalState:
-        """This rank's own state at ``step``, cloned (a trainer built from it mutates it)."""
+    def restore(self, step: int, device: torch.device | None = None) -> LocalState:
+        """This rank's own state at ``step``, copied (a trainer built from it mutates it):
+        onto ``device`` straight from the slot (pinned under CUDA: one DMA, no pageable
+        clone on the way), else on the CPU."""
         slot = next((s for s in self._slots if s.step == step), None)
         if slot is None:
             raise KeyError(f"rank {self.rank} holds no snapshot of step {step}; it holds "
                            f"{self.holdings()[0]}")
-        tensors = {e.key: (_view(slot.buf, e).clone(), e.pieces) for e in self._entries}
+        tensors = {e.key: (_copy(_view(slot.buf, e), device), e.pieces)
+                   for e in self._entries}
         rng = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in slot.rng.items()}
         return LocalState(tensors, step, slot.data_position, rng)
 
-    def restore_mirror(self, step: int) -> dict[tuple[str, str], torch.Tensor]:
-        """The source rank's unique state at ``step``, cloned: {(name, state): tensor}."""
+    def restore_mirror(self, step: int, device: torch.device | None = None
+                       ) -> dict[tuple[str, str], torch.Tensor]:
+        """The source rank's unique state at ``step``, copied as :meth:`restore` does:
+        {(name, state): tensor}."""
         complete = self.holdings()[1]
         slot = next((s for s in self._mirror_slots if s.step == step and s.work is None), None)
         if slot is None:
@@ -401,7 +413,7 @@ class Redundancy:
                     else f"holds complete mirrors of rank {self.source} at steps {complete}")
             raise KeyError(f"rank {self.rank} holds no complete mirror of step {step}; "
                            f"it {what}")
-        return {e.key: _view(slot.buf, e).clone() for e in self._mirror_entries}
+        return {e.key: _copy(_view(slot.buf, e), device) for e in self._mirror_entries}
 
     def memory_bytes(self) -> int:
         """Host bytes held: both own snapshot slots and both mirror slots."""

@@ -149,6 +149,8 @@ class Trainer:
         self.position = state.data_position if state else 0
         if state and state.rng.get("cpu") is not None:
             torch.set_rng_state(state.rng["cpu"])
+        if state and state.rng.get("cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state.rng["cuda"].cpu(), self.device)
 
         self.source = token_source(config)
         vocab_box = self.boxes.get("embed.tokens") or self.boxes.get("head.weight")
@@ -451,4 +453,7 @@ class Trainer:
                 if t is None:                                  # before the first step
                     t = torch.zeros_like(master.detach())
             tensors[(n, state)] = (t, rs.pieces)
-        return LocalState(tensors, self.step, self.position, {"cpu": torch.get_rng_state()})
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":         # the GPU's generator too (dropout, sampling)
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return LocalState(tensors, self.step, self.position, rng)
