@@ -24,7 +24,8 @@ then from many threads at once (a flood bounded in count and time):
 
 No fuzzed request may start real work. Every Prepare payload that would get past the agent's
 wire checks (:func:`dynatrain.agent.server.check_prepare`, run here on the decoded bytes) is
-rewritten to a stale generation, so it must be refused; only a few deliberate Prepares of the
+rewritten to a stale generation, so it must be refused (and every such Checkpoint to a
+generation that does not run); only a few deliberate Prepares of the
 next generation, sent while nothing else is in flight, are accepted, and each is aborted at
 once. A fuzzed Prepare or Commit that the agent answers OK is reported (and aborted).
 
@@ -327,6 +328,10 @@ class Fuzzer:
             case.payload, rewritten = self.guard_prepare(rng, case.payload)
             if rewritten:
                 case.note += " (generation made stale)"
+        elif case.name == "Checkpoint":
+            case.payload, rewritten = self.guard_checkpoint(rng, case.payload)
+            if rewritten:
+                case.note += " (generation made one that does not run)"
         return case
 
     # -- the safety rule -----------------------------------------------------------------------
@@ -345,6 +350,19 @@ class Fuzzer:
                 return payload, False              # refused by the wire checks
         # It might be accepted (or was not checked): a stale generation, by construction.
         req.generation = rng.randint(1, self.stale_max)
+        return req.SerializeToString(), True
+
+    def guard_checkpoint(self, rng: random.Random, payload: bytes) -> tuple[bytes, bool]:
+        """``payload``, or a copy naming a generation the target does not run if the agent's
+        wire checks would pass it: a Checkpoint of the running generation is real work (with
+        ``stop``, the end of training), so every one that gets that far must be refused for
+        its generation (FAILED_PRECONDITION)."""
+        try:
+            req = agent_pb2.CheckpointRequest.FromString(payload)
+            agent_server.check_checkpoint(req)
+        except Exception:
+            return payload, False                  # not a message, or INVALID_ARGUMENT
+        req.generation = self.stale_max + 1 + rng.randrange(1 << 20)
         return req.SerializeToString(), True
 
     # -- values --------------------------------------------------------------------------------
@@ -426,6 +444,9 @@ class Fuzzer:
             return agent_pb2.CommitRequest(generation=gen, timeout_seconds=rng.choice((0, 1)))
         if name == "Abort":
             return agent_pb2.AbortRequest(generation=gen, reason="fuzz")
+        if name == "Checkpoint":          # made safe by guard_checkpoint
+            return agent_pb2.CheckpointRequest(generation=gen, stop=rng.random() < 0.5,
+                                               timeout_seconds=rng.choice((0, 1)))
         return agent_pb2.StatusRequest(since_step=rng.choice(U64))
 
     # -- kinds ---------------------------------------------------------------------------------

@@ -63,6 +63,25 @@ def test_no_fuzzed_prepare_could_be_accepted():
     assert past_checks > 100, "the fuzzer hardly reaches the agent's state checks"
 
 
+def test_no_fuzzed_checkpoint_names_a_generation_that_could_run():
+    # A Checkpoint of the running generation writes one (with stop: training ends): every
+    # one that gets past the wire checks names a generation above any the target has seen.
+    f = fuzz.Fuzzer(11, rendezvous="127.0.0.1:29500", stale_max=3)
+    past_checks = 0
+    for i in range(3000):
+        case = f.case(i)
+        if case.name != "Checkpoint":
+            continue
+        try:
+            req = agent_pb2.CheckpointRequest.FromString(case.payload)
+            agent_server.check_checkpoint(req)
+        except Exception:
+            continue
+        past_checks += 1
+        assert req.generation > 3, (i, case.kind, case.note, req)
+    assert past_checks > 20, "the fuzzer hardly reaches the agent's Checkpoint"
+
+
 def test_wire_mutations_stay_below_the_library():
     rng = random.Random(1)
     msg = agent_pb2.PrepareRequest(generation=5, layout="dp=2", devices=[0, 1],
