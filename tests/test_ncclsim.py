@@ -1,0 +1,86 @@
+"""``nccl-sim`` behaves like ProcessGroupNCCL where recovery depends on it (see
+:mod:`dynatrain.vps.ncclsim`): each test names the behaviour it follows. Real processes, one per
+rank, over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RANKS = Path(__file__).with_name("ncclsim_ranks.py")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(name: str, world: int = 2, env: dict | None = None, timeout: float = 60):
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, str(RANKS), name, str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **(env or {})})
+             for r in range(world)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        last = stdout.strip().splitlines()[-1] if stdout.strip() else "null"
+        out.append({"code": p.returncode, "result": json.loads(last), "stderr": stderr})
+    return out
+
+
+def test_wait_returns_at_once_and_the_host_sync_blocks():
+    # WorkNCCL::wait only makes the stream wait; the host blocks at a sync of the result.
+    r0 = run("wait_does_not_block")[0]
+    res = r0["result"]
+    assert res["waited"] < 0.5 and res["completed_after_wait"] is False, res
+    assert res["synced"] > 0.8 and res["value"] == [3.0] * 4, res
+
+
+def test_a_dead_peer_hangs_until_the_watchdog_takes_the_process_down():
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING unset: torch's default 3 (SkipCleanUp) aborts the
+    # process when an op passes its timeout, where gloo would have failed the op at once.
+    r0 = run("dead_peer", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": ""})[0]
+    assert r0["code"] == -6, r0                     # SIGABRT, as std::abort
+    assert "[nccl-sim watchdog] allreduce" in r0["stderr"] and "=3" in r0["stderr"]
+
+
+def test_clean_up_only_aborts_the_communicator_and_the_process_lives():
+    r0 = run("dead_peer", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})[0]
+    assert r0["code"] == 0, r0
+    res = r0["result"]
+    assert "watchdog aborted the communicator" in res["raised"] and 1.9 < res["after"] < 10
+
+
+def test_abort_frees_a_host_sync_stuck_on_a_dead_peer():
+    r0 = run("abort_frees_the_sync")[0]
+    res = r0["result"]
+    assert res["raised"] and 0.4 < res["after"] < 5, res
+
+
+def test_communicators_are_made_at_first_use_unless_made_eagerly():
+    res = run("lazy_setup")[0]["result"]
+    # without device_id: nothing when the group is made, the cost in the first collective
+    assert res["setups_when_made"] == 0 and res["setups_after_first"] == 1, res
+    assert res["first"] >= 0.3 and res["second"] < 0.2, res
+    # eagerly (device_id, eager_connect_single_device): when made, not at first use
+    assert res["eager_made"] >= 0.3 and res["eager_first"] < 0.2, res
+    assert res["setups"] == 2 and res["setup_seconds"] == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("name, mismatch", [("order_matched", False),
+                                            ("order_mismatched", True)])
+def test_the_recorder_finds_a_pair_posted_in_different_orders(name, mismatch):
+    r1 = run(name)[1]["result"]
+    if mismatch:
+        assert "message 0 from rank 0 to rank 1 was posted as 16 bytes, tag 1 by the sender " \
+            "and 32 bytes, tag 2 by the receiver" in r1["mismatch"], r1
+    else:
+        assert r1["mismatch"] is None
