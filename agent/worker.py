@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     except BackendError as e:      # at start, one line, before anything serves or trains
         print(f"dynatrain worker: error: {e}", file=sys.stderr, flush=True)
         return 2
-    if backend == "nccl":
+    if backend in ("nccl", "nccl-sim"):
         value, ours = nccl_error_handling()
         if not ours and value != NCCL_CLEAN_UP_ONLY:
             print(f"device {args.device}: {NCCL_ERROR_HANDLING}={value} as set: a timed-out "

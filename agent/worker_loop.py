@@ -314,6 +314,7 @@ class Worker(WorkerControl):
             old_generation = self.generation
             self.trainer = trainer
             self.generation = p.generation
+            abandon.keep_only(p.generation)    # no earlier generation is waited on now
             self.pending = None
             self.error = ""
             if p.recovery is not None or p.checkpoint:

@@ -11,6 +11,14 @@ reports a failure; the training loop then gets :class:`GenerationAbandoned`, dro
 (its groups are left to time out in their own threads, never reused) and restores from the
 in-memory redundancy. :func:`reset` re-arms the waits once the next generation starts.
 
+**Under NCCL a wait is not where a thread blocks.** NCCL's ``work.wait()`` and futures return
+when the op is queued; the training thread blocks later, in a host sync of a result (the loss,
+a norm), which no notice can wake: only aborting the op's communicator ends it
+(``ncclCommAbort``). So the groups of NCCL generations are :func:`track`-ed, and
+:func:`abandon` aborts them; the blocked sync then raises and the thread gets to the recovery
+(``dynatrain.vps.ncclsim`` reproduces the hang on CPU: without the abort, a recovery waited
+for the group's timeout). Gloo's groups are not aborted: their waits go through :func:`wait`.
+
 One process runs one trainer, so the notice is process-wide.
 """
 
@@ -32,15 +40,39 @@ _lock = threading.Lock()
 _reason: str | None = None
 _waiting: dict[threading.Event, float] = {}
 """Every wait in progress, with its start (monotonic): :func:`longest_wait` reports it."""
+_tracked: dict[int, list] = {}
+"""Generation -> its groups that only an abort can free (NCCL's), for :func:`abandon`."""
+
+
+def track(generation: int, group) -> None:
+    """``group`` belongs to ``generation`` and a wait in it ends only when it is aborted."""
+    with _lock:
+        _tracked.setdefault(generation, []).append(group)
+
+
+def keep_only(generation: int) -> None:
+    """``generation`` runs now and no earlier one can be waited on: forget the others'
+    groups (they are shut down where they are dropped)."""
+    with _lock:
+        for g in [g for g in _tracked if g < generation]:
+            del _tracked[g]
 
 
 def abandon(reason: str) -> None:
-    """Wake every wait, now and until :func:`reset`, with :class:`GenerationAbandoned`."""
+    """Wake every wait, now and until :func:`reset`, with :class:`GenerationAbandoned`, and
+    abort every tracked group (a host sync stuck in one raises)."""
     global _reason
     with _lock:
         _reason = reason
         for ev in _waiting:
             ev.set()
+        groups = [g for gs in _tracked.values() for g in gs]
+        _tracked.clear()
+    for g in groups:
+        try:
+            g.abort()
+        except Exception:            # already aborted or shut down: nothing waits in it
+            pass
 
 
 def longest_wait() -> float:

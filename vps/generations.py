@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import faults
+from . import abandon, faults
 from .layout import Layout
 from .model import ModelSpec
 from .planner import Plan, plan_switch
@@ -73,8 +73,17 @@ class DeviceManager:
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
-                return dist.ProcessGroupNCCL(store, rank, size, opts)
-            return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+                group = dist.ProcessGroupNCCL(store, rank, size, opts)
+            elif self.backend == "nccl-sim":      # the test harness's NCCL, on CPU
+                from .ncclsim import SimProcessGroup
+
+                group = SimProcessGroup(store, rank, size, self.timeout, ordered=True,
+                                        name=f"gen{generation}/{name}")
+            else:
+                return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+            # A thread stuck in one of its ops is freed only by aborting it (abandon).
+            abandon.track(generation, group)
+            return group
         except Exception as e:  # a member never arrived: name the group and its members
             raise GenerationError(f"generation {generation}: group {name!r} of devices "
                                   f"{members} could not be built on device {self.device}: {e}"

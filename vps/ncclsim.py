@@ -33,13 +33,17 @@ each behaviour as the torch source and NCCL's documentation describe it:
    (through the group's store), and raises :class:`OrderMismatch` naming both when they differ
    (gloo, matching by tag, would have carried on; NCCL would deliver the wrong bytes or hang).
 
-A test harness piece, never a fallback of the product: nothing chooses it unless asked.
-**Not yet wired as a worker backend**: on a CPU the device is the host, so the code that runs
-after a collective (the optimizer reading reduced gradients, the trainer reading the loss) runs
-at once, where on a GPU the stream would order it after the op. A training run under this
-group needs the product to name those points (a device sync helper that is the stream wait on
-CUDA and :func:`synchronize` here, checking the abandon notice); until then these semantics are
-checked op by op (``tests/test_ncclsim.py``).
+**The device is the host.** On a CPU the code that follows a collective (the optimizer reading
+the reduced gradients, the trainer reading the loss) runs at once, where on a GPU the stream
+would run it after the op. So a group made with ``ordered=True`` (what the workers get: their
+``--backend nccl-sim``, through :class:`~dynatrain.vps.generations.DeviceManager`) runs each op
+to its end inside the call that enqueues it, as the stream would before any later work: the
+training thread then blocks where a GPU worker's host would (its next host sync), and exactly
+as unreachably: an op whose peer died holds it until the group is aborted or the watchdog acts.
+``ordered=False`` keeps enqueue, ``wait()`` and :func:`synchronize` apart, for checks of code
+that syncs by itself (``tests/test_ncclsim.py``).
+
+A test harness setting, never a fallback of the product: nothing chooses it unless asked.
 """
 
 from __future__ import annotations
@@ -194,14 +198,14 @@ def _watch() -> None:
                     op.ended = True
             _outstanding[:] = [op for op in _outstanding if not op.ended]
             late = [op for op in _outstanding if op.group.aborted is None
-                    and now - op.start > op.group.timeout.total_seconds()]
+                    and now - op.start > op.group.op_timeout.total_seconds()]
         if not late:
             continue
         mode = error_handling()
         op = late[0]
-        text = (f"[nccl-sim watchdog] {op.what} on group {op.group.name or '?'} (rank "
+        text = (f"[nccl-sim watchdog] {op.what} on group {op.group.label or '?'} (rank "
                 f"{op.group.rank()} of {op.group.size()}) ran {now - op.start:.1f} s, past "
-                f"its timeout of {op.group.timeout.total_seconds():g} s")
+                f"its timeout of {op.group.op_timeout.total_seconds():g} s")
         if mode in (1, 3):
             print(f"{text}; {ERROR_HANDLING}={mode}: taking the process down",
                   file=sys.stderr, flush=True)
@@ -226,14 +230,17 @@ class SimProcessGroup(dist.ProcessGroup):
     module docstring); the bytes travel over a gloo group of the same members."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, *, name: str = "",
-                 setup_seconds: float | None = None, eager: bool = False):
+                 setup_seconds: float | None = None, eager: bool = False,
+                 ordered: bool = False):
         super().__init__(rank, size)
         self._inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._store = dist.PrefixStore("nccl-sim-order", store)
-        self.timeout, self.name = timeout, name
+        # Not "name"/"timeout": ProcessGroup has a name() method that the trainer calls.
+        self.op_timeout, self.label = timeout, name
         self.setup_seconds = (float(os.environ.get(SETUP_ENV, "0") or 0)
                               if setup_seconds is None else setup_seconds)
         self.aborted: str | None = None
+        self.ordered = ordered
         self._ready: set = set()
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
@@ -242,6 +249,9 @@ class SimProcessGroup(dist.ProcessGroup):
             self.eager_connect()
 
     def getBackendName(self) -> str:        # noqa: N802 (torch's name)
+        return "nccl-sim"
+
+    def name(self) -> str:
         return "nccl-sim"
 
     # -- communicators ------------------------------------------------------------------------
@@ -277,6 +287,11 @@ class SimProcessGroup(dist.ProcessGroup):
                     return
                 op.waited.set()
             threading.Thread(target=progress, name=f"nccl-sim {what}", daemon=True).start()
+        if self.ordered:                   # the device is the host: the op runs to its end
+            with _lock:
+                _outstanding.append(op)
+            _sync_ops([op])
+            return SimWork(op, blocking=blocking)
         with _lock:
             _outstanding.append(op)
         return SimWork(op, blocking=blocking)
@@ -330,7 +345,7 @@ class SimProcessGroup(dist.ProcessGroup):
             sent = self._store.get(key).decode()
             if sent != mine:
                 raise OrderMismatch(
-                    f"group {self.name or '?'}: message {k} from rank {peer} to rank {me} was "
+                    f"group {self.label or '?'}: message {k} from rank {peer} to rank {me} was "
                     f"posted as {sent} by the sender and {mine} by the receiver: NCCL matches "
                     "a pair's messages by their order (tags are ignored), so both ends must "
                     "post them in the same order")

@@ -105,13 +105,16 @@ def random_scenario(seed: int, *, steps: int = STEPS, initial: int = 4,
 
 
 def run(workdir: Path, name: str, job: dict, scenario: dict | None, *,
-        timeout_s: float = 600.0, env: dict | None = None) -> dict:
-    """One ``dynatrain run``; its summary with ``stdout``, ``returncode`` and ``wall``."""
+        timeout_s: float = 600.0, env: dict | None = None, backend: str = "") -> dict:
+    """One ``dynatrain run`` (its workers on ``backend`` if given); its summary with
+    ``stdout``, ``returncode`` and ``wall``."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, summary = workdir / f"{name}-job.yaml", workdir / f"{name}.json"
     job_path.write_text(yaml.safe_dump(job))
     cmd = [sys.executable, "-m", "dynatrain", "run", str(job_path), "--summary-json",
            str(summary), "--run-dir", str(workdir / name), "--cooldown", "0"]
+    if backend:
+        cmd += ["--backend", backend]
     if scenario is not None:
         (workdir / f"{name}-scenario.yaml").write_text(yaml.safe_dump(scenario))
         cmd += ["--scenario", str(workdir / f"{name}-scenario.yaml")]

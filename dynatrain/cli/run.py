@@ -83,10 +83,11 @@ def register(sub) -> None:
                    help="when the job completes, write the trained model to OUT as a Hugging "
                         "Face checkpoint (config.json + safetensors; overrides "
                         "spec.output.hf)")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo", "nccl-sim"), default="auto",
                    help="the workers' backend: auto (default) is NCCL with one GPU per worker "
                         "when spec.resources.gpus is 1, gloo on the CPU when 0; nccl fails "
-                        "unless CUDA is available; gloo runs a GPU job on the CPU")
+                        "unless CUDA is available; gloo runs a GPU job on the CPU; nccl-sim "
+                        "runs on the CPU with NCCL's failure semantics (a test harness)")
     p.set_defaults(func=run_job)
 
 

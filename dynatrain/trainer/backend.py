@@ -11,6 +11,10 @@
   ``torch.cuda.is_available()`` is False: never a silent fall-back to the CPU.
 - ``gloo``: gloo on the CPU, whatever the job asks for (the dev cluster's simulated GPU nodes
   have no CUDA: its pod runner adds ``--backend gloo`` to their workers only when told to).
+- ``nccl-sim``: on the CPU with ProcessGroupNCCL's semantics (:mod:`dynatrain.vps.ncclsim`):
+  dead peers hang, the watchdog acts on ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, communicators
+  are made lazily. A test harness setting for the recovery paths NCCL takes; the mirrors still
+  travel on gloo, as they do beside NCCL.
 
 Which GPU: a worker pod sees the GPUs its device plugin gave it (``CUDA_VISIBLE_DEVICES``); the
 worker uses ``cuda:0`` of what it sees, unless ``--cuda-device N`` or ``LOCAL_RANK`` (torchrun's)
@@ -29,7 +33,7 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "nccl", "gloo")
+BACKENDS = ("auto", "nccl", "gloo", "nccl-sim")
 
 
 class BackendError(ValueError):
@@ -127,6 +131,10 @@ def bench_backend(requested: str, world: int) -> str:
     if requested == "nccl":
         require_cuda("--backend nccl", count=world,
                      fix="run it on a machine with a GPU per rank, or pass --backend gloo")
+    if requested == "nccl-sim":
+        raise BackendError("--backend nccl-sim: the switch benchmark builds a default process "
+                           "group, which nccl-sim is not; run the workers under it instead "
+                           "(dynatrain run --backend nccl-sim)")
     return requested
 
 

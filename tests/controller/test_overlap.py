@@ -22,11 +22,12 @@ CI_SEEDS = (0, 1)
 
 
 def run(tmp: Path, name: str, scenario: dict | None, env: dict | None = None, *,
-        layout: str | None = None, workers: int = 5, watchdog: float = 4.0) -> dict:
+        layout: str | None = None, workers: int = 5, watchdog: float = 4.0,
+        backend: str = "") -> dict:
     job = overlap.job_manifest(max_workers=workers, watchdog_s=watchdog)
     if layout:
         job["spec"]["parallelism"] = {"mode": "fixed", "layout": layout}
-    out = overlap.run(tmp, name, job, scenario, env=env)
+    out = overlap.run(tmp, name, job, scenario, env=env, backend=backend)
     print(out["stdout"][-8000:])
     assert out["returncode"] == 0, f"exit {out['returncode']}"
     return out
@@ -61,6 +62,25 @@ def test_a_notice_a_join_a_request_and_a_kill_a_few_steps_apart(tmp_path, refere
     assert out["switches"][-1]["to"] == "dp=1,tp=2,pp=2"
     assert [r["reason"] for r in out["recoveries"]] == ["failure"]
     assert "layout request dp=1,tp=2,pp=2" in out["stdout"]
+
+
+def test_under_nccl_semantics_the_same_events_end_the_same_way(tmp_path, reference):
+    # The workers on nccl-sim (dynatrain.vps.ncclsim): a dead peer's collectives hang rather
+    # than fail, and only an abort frees a thread stuck in one. Before abandon aborted the
+    # generation's groups, a survivor waited for the group's timeout (60 s) until the
+    # watchdog aborted the communicator (or, with torch's default error handling, killed
+    # the survivor); now the abandon does it at once.
+    scenario = {"initialWorkers": 4, "events": [
+        {"atStep": 10, "preempt": {"workers": [3], "noticeSeconds": 30}},
+        {"atStep": 11, "join": 2},
+        {"atStep": 14, "kill": {"workers": [1]}},
+    ]}
+    out = run(tmp_path, "nccl-sim", scenario, backend="nccl-sim")
+    check_run(out, reference)                   # the losses of the gloo run, bit for bit
+    assert [r["reason"] for r in out["recoveries"]] == ["failure"]
+    logs = "\n".join(p.read_text() for p in (tmp_path / "nccl-sim").glob("worker-*.log"))
+    assert "nccl-sim watchdog" not in logs and "watchdog aborted" not in logs
+    assert "the communicator was aborted (ncclCommAbort)" in logs
 
 
 def test_a_hung_worker_is_declared_failed_and_recovered_like_a_dead_one(tmp_path, reference):
