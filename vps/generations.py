@@ -62,6 +62,8 @@ class DeviceManager:
     def __init__(self, store, device: int, *, backend: str = "gloo",
                  timeout: timedelta = timedelta(seconds=60)):
         self.store, self.device, self.backend, self.timeout = store, device, backend, timeout
+        self._built: dict[int, list[tuple[str, object]]] = {}
+        """Generation -> (name, group) of its NCCL groups not yet connected (:meth:`_connect`)."""
 
     def build_group(self, generation: int, name: str, members: list[int]):
         """The group of ``members`` (devices, in rank order); None if this device is not one."""
@@ -83,11 +85,45 @@ class DeviceManager:
                 return dist.ProcessGroupGloo(store, rank, size, self.timeout)
             # A thread stuck in one of its ops is freed only by aborting it (abandon).
             abandon.track(generation, group)
+            self._built.setdefault(generation, []).append((name, group))
             return group
         except Exception as e:  # a member never arrived: name the group and its members
             raise GenerationError(f"generation {generation}: group {name!r} of devices "
                                   f"{members} could not be built on device {self.device}: {e}"
                                   ) from e
+
+    def _connect(self, generation: int, rounds: list[list[Message]],
+                 members: list[int]) -> None:
+        """Make the generation's NCCL communicators now, in the background, not at their first
+        use, which would be inside the pause (the transfer, the commit's all-reduce, the first
+        step). A communicator's setup is collective over its members, so every device makes
+        its groups in one order (by name); then, on nccl-sim, the point-to-point pairs it
+        will use: a pipeline stage's neighbours and the transition group's pairs of this
+        device's rounds (real NCCL still makes those at a pair's first message: warming them
+        up needs matched messages, left for a GPU run to verify)."""
+        built = sorted(self._built.pop(generation, []), key=lambda item: item[0])
+        for name, group in built:
+            if hasattr(group, "eager_connect"):            # nccl-sim
+                group.eager_connect()
+            else:
+                import torch
+
+                group.eager_connect_single_device(
+                    torch.device("cuda", torch.cuda.current_device()))
+        for name, group in built:               # a pipeline's stages talk to neighbours
+            if name.startswith("pp/") and hasattr(group, "connect_pair"):
+                r = group.rank()
+                for peer in (r - 1, r + 1):
+                    if 0 <= peer < group.size():
+                        group.connect_pair(peer)
+        transition = next((g for name, g in built if name == "transition"), None)
+        if transition is not None and hasattr(transition, "connect_pair"):
+            rank = {d: i for i, d in enumerate(members)}
+            for messages in rounds:
+                for m in messages:
+                    if self.device in (m.src, m.dst):
+                        peer = m.dst if m.src == self.device else m.src
+                        transition.connect_pair(rank[peer])
 
     def group_factory(self, generation: int, layout: Layout) -> Callable:
         """make_group(kind, ranks) for a layout's groups in ``generation`` (ranks -> devices)."""
@@ -136,6 +172,7 @@ class DeviceManager:
                     group = self.build_group(generation, "transition", members)
                     new_rank = plan.new.rank_of_device.get(self.device)
                 extra = build_extra(new_rank) if (build_extra and new_rank is not None) else None
+                self._connect(generation, rounds, members)
                 prepared = PreparedSwitch(
                     generation, plan, rounds, group, {d: i for i, d in enumerate(members)},
                     new_rank, extra)

@@ -255,9 +255,14 @@ class SimProcessGroup(dist.ProcessGroup):
         return "nccl-sim"
 
     # -- communicators ------------------------------------------------------------------------
-    def _connect(self, key) -> None:
+    def _connect(self, key, *, first_use: bool = True) -> None:
         if key in self._ready:
             return
+        if first_use:          # said, so that a run can show where its setup cost fell
+            what = "its communicator" if key == "group" else \
+                f"its point-to-point communicator with rank {key[1]}"
+            print(f"nccl-sim: group {self.label or '?'} (rank {self.rank()}) made {what} at "
+                  f"first use ({self.setup_seconds:g} s)", file=sys.stderr, flush=True)
         if self.setup_seconds:
             time.sleep(self.setup_seconds)
         self._ready.add(key)
@@ -267,11 +272,15 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def eager_connect(self) -> None:
         """The group's communicator now (``device_id``), not at its first collective."""
-        self._connect("group")
+        self._connect("group", first_use=False)
+
+    def eager_connect_single_device(self, device=None) -> None:
+        """ProcessGroupNCCL's name for :meth:`eager_connect`."""
+        self.eager_connect()
 
     def connect_pair(self, peer: int) -> None:
         """The point-to-point communicator with ``peer`` now, not at the first send/recv."""
-        self._connect(("pair", peer))
+        self._connect(("pair", peer), first_use=False)
 
     # -- ops ----------------------------------------------------------------------------------
     def _enqueue(self, what: str, inner, *, blocking: bool = False, check=None,

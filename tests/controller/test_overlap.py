@@ -81,6 +81,9 @@ def test_under_nccl_semantics_the_same_events_end_the_same_way(tmp_path, referen
     logs = "\n".join(p.read_text() for p in (tmp_path / "nccl-sim").glob("worker-*.log"))
     assert "nccl-sim watchdog" not in logs and "watchdog aborted" not in logs
     assert "the communicator was aborted (ncclCommAbort)" in logs
+    # Every communicator, the transfers' pairs included, was made in a Prepare, in the
+    # background, none at its first use (inside a pause or a step).
+    assert "at first use" not in logs
 
 
 def test_a_hung_worker_is_declared_failed_and_recovered_like_a_dead_one(tmp_path, reference):
