@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 LAYOUTS = ("dp=4", "dp=2,pp=2", "dp=2,tp=2,zero=1", "tp=2,pp=2", "dp=4,zero=1")
@@ -64,6 +64,9 @@ class TrialSpec:
     recovery does not pay for writing it; ``benchmarks/vs_torchft.py``)."""
     limits: dict = field(default_factory=dict)
     """``spec.parallelism.limits`` (empty: none), e.g. maxTP/maxPP 1 for pure DP."""
+    backend: str = "gloo"
+    """The workers' backend: ``gloo``, or ``nccl-sim`` for NCCL's failure semantics (the
+    bit-for-bit references always run on gloo)."""
 
 
 @dataclass
@@ -134,6 +137,7 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
     runner = LocalRunner(job, str(job_path), Scenario(4, tuple(events)), run_dir=workdir / "run",
                          profile=PROFILES["cpu"], policy=Policy(cooldown_s=1e9),
                          out=lines.append, restart_on_failure=spec.kind == "restart",
+                         backend=spec.backend,
                          worker_env={d: {**common, **env.get(d, {})} for d in range(8)})
     # Layout fixed at start (auto mode would re-plan after the start); recoveries pick freely.
     runner.controller.request_layout(parse_layout(spec.layout))
@@ -298,10 +302,11 @@ def _check_states(results: list[TrialResult], specs: list[TrialSpec], root: Path
 
 
 def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: int = 3,
-                timeout_s: float = 240.0, keep: str | None = None, say=print) -> dict:
+                timeout_s: float = 240.0, keep: str | None = None, say=print,
+                backend: str = "gloo") -> dict:
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dynatrain-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    specs = plan_trials(trials, seed, steps)
+    specs = [replace(s, backend=backend) for s in plan_trials(trials, seed, steps)]
     rng = random.Random(seed + 1)
     specs += [TrialSpec(trials + i, "restart", "dp=2,pp=2", [rng.randrange(4)],
                         at_step=rng.randrange(3, steps - 5), steps=steps, checkpoint_every=1)

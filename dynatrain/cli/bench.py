@@ -132,6 +132,10 @@ def _register_chaos(bsub) -> None:
                    help="seconds before a trial counts as hung (default 240)")
     p.add_argument("--keep", metavar="DIR", help="keep every trial's logs and dumps in DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--backend", choices=("gloo", "nccl-sim"), default="gloo",
+                   help="the trials' workers: gloo (default), or nccl-sim for NCCL's failure "
+                        "semantics (dead peers hang, the watchdog, abort); the bit-for-bit "
+                        "references run on gloo")
     p.add_argument("--overlap", type=int, default=0, metavar="N",
                    help="instead: N random scenarios of overlapping events (notices, joins, "
                         "requested layouts, kills, hangs a few steps apart), each judged "
@@ -154,7 +158,7 @@ def run_bench_chaos(args) -> int:
     out = chaos.bench_chaos(args.trials, seed=args.seed, steps=args.steps,
                             restart_trials=args.restart_trials, timeout_s=args.trial_timeout,
                             keep=args.keep, say=(lambda s: print(s, file=sys.stderr, flush=True))
-                            if args.json else print)
+                            if args.json else print, backend=args.backend)
     if args.json:
         print(json.dumps(out))
     else:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from kubernetes import client
+
+from dynatrain.trainer.checkpoint import latest_checkpoint
 
 from operator_process import (agent_client, condition, events, get as _get, job as _job,
                               job_pods, wait as _wait)
@@ -106,10 +109,16 @@ def test_a_worker_and_its_buddy_lost_resume_from_the_volume_and_a_new_job_starts
     # and every step's batch was still read exactly once in the end.
     assert data["retrainedSteps"] > 0 and data["exactlyOnce"], data
     survivor = next(d for d in pods_by_device if d not in (victim, buddy))
-    newest = _wait("a newer checkpoint", lambda: (lambda s: s if s.checkpoint_step
-                                                  > first.checkpoint_step else None)(
-        status(survivor)), timeout=120)
+    _wait("a newer checkpoint", lambda: status(survivor).checkpoint_step
+          > first.checkpoint_step, timeout=120)
     kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false")
+    # The newest checkpoint once the job's workers are gone: until then they train on and
+    # prune older steps (a CI run resumed from one a worker was deleting).
+    _wait("the first job's workers gone", lambda: not job_pods(core, namespace, name),
+          timeout=120)
+    path, step = latest_checkpoint(claim_dir, job=name)
+    assert step > first.checkpoint_step
+    newest = SimpleNamespace(checkpoint=path, checkpoint_step=step)
 
     # A job whose resumeFrom is outside its claim is refused at once, naming both.
     stray = _checkpointed("stray", "ckpt")
