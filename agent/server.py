@@ -530,27 +530,26 @@ def _check_recovery(req, old_devices: tuple[int, ...], devices: tuple[int, ...],
     return Recovery(req.restore_step, failed, proxies)
 
 
-def check_commit(req: agent_pb2.CommitRequest) -> tuple[int, int, float]:
-    """(generation, at_step, timeout_s) of a checked CommitRequest."""
+def _generation_and_timeout(req) -> float:
+    """The checks a Commit and a Checkpoint share (a generation, a timeout); the timeout."""
     problems: list[str] = []
     _generation(req.generation, problems)
-    # at_step is a uint64 on the wire, so it is always >= 0; 0 means "first agreed boundary".
     timeout_s = _finite_timeout("timeout_seconds", req.timeout_seconds,
                                 DEFAULT_COMMIT_TIMEOUT_S, problems)
     if problems:
         raise InvalidRequest("; ".join(problems))
-    return req.generation, req.at_step, timeout_s
+    return timeout_s
+
+
+def check_commit(req: agent_pb2.CommitRequest) -> tuple[int, int, float]:
+    """(generation, at_step, timeout_s) of a checked CommitRequest. at_step is a uint64 on
+    the wire, so it is always >= 0; 0 means "first agreed boundary"."""
+    return req.generation, req.at_step, _generation_and_timeout(req)
 
 
 def check_checkpoint(req: agent_pb2.CheckpointRequest) -> tuple[int, bool, float]:
     """(generation, stop, timeout_s) of a checked CheckpointRequest."""
-    problems: list[str] = []
-    _generation(req.generation, problems)
-    timeout_s = _finite_timeout("timeout_seconds", req.timeout_seconds,
-                                DEFAULT_COMMIT_TIMEOUT_S, problems)
-    if problems:
-        raise InvalidRequest("; ".join(problems))
-    return req.generation, req.stop, timeout_s
+    return req.generation, req.stop, _generation_and_timeout(req)
 
 
 def check_abort(req: agent_pb2.AbortRequest) -> tuple[int, str]:

@@ -355,14 +355,10 @@ class WorkerControl:
                 p.commit_at = at_step
                 self.wake.notify_all()
             reply = p.reply
-        try:
-            return reply.result(timeout=timeout_s)
-        except TimeoutError:
-            raise CommitTimeout(f"generation {generation} did not switch within {timeout_s} s "
-                                f"on device {self.device}") from None
+        return self._answer(reply, timeout_s, f"generation {generation} did not switch")
 
     def write_checkpoint(self, generation: int, stop: bool,
-                   timeout_s: float) -> pb.CheckpointResponse:
+                         timeout_s: float) -> pb.CheckpointResponse:
         """Write a checkpoint of the running generation at the first step boundary every
         rank agrees on (the training loop writes it; every rank its part), and with ``stop``
         train no further (SUSPENDED: a suspended job's workers wait to be stopped). A
@@ -388,11 +384,16 @@ class WorkerControl:
                 w = self.wanted = CheckpointWanted(generation, stop)
                 self.wake.notify_all()
             reply = w.reply
+        return self._answer(reply, timeout_s,
+                            f"the checkpoint of generation {generation} was not written")
+
+    def _answer(self, reply: Future, timeout_s: float, late: str):
+        """What the training loop answers a Commit or Checkpoint with, within ``timeout_s``
+        (else :class:`CommitTimeout`, saying ``late``)."""
         try:
             return reply.result(timeout=timeout_s)
         except TimeoutError:
-            raise CommitTimeout(f"the checkpoint of generation {generation} was not written "
-                                f"within {timeout_s} s on device {self.device}") from None
+            raise CommitTimeout(f"{late} within {timeout_s} s on device {self.device}") from None
 
     def abort(self, generation: int, reason: str) -> bool:
         with self.lock:

@@ -123,18 +123,22 @@ class Worker(WorkerControl):
             self._save_hf()
         every = self.job.recovery.checkpoint_interval
         if every and self.checkpoint_dir and t.step % every == 0:
-            g = t.g
-            # Into the job's own folder of the root (<root>/<job>/step-N): a claim shared
-            # with other jobs is pruned per job, and Status reports the path in that folder.
-            saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
-                                    group=g.world, group_rank=g.rank,
-                                    group_size=self.layout.world,
-                                    keep=self.job.recovery.checkpoint_keep,
-                                    hf_source=self.job.training.init_hf, job=self.job.name)
-            with self.lock:
-                self.checkpoint = (saved.path, t.step)
-                self.checkpoint_time = time.time()
+            self._save_checkpoint()
         return snapshot_seconds
+
+    def _save_checkpoint(self) -> None:
+        """Every rank's part of a DCP checkpoint of this step (collective), into the job's own
+        folder of the root (<root>/<job>/step-N): a claim shared with other jobs is pruned per
+        job, and Status reports the path in that folder."""
+        t = self.trainer
+        g = t.g
+        saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
+                                group=g.world, group_rank=g.rank, group_size=self.layout.world,
+                                keep=self.job.recovery.checkpoint_keep,
+                                hf_source=self.job.training.init_hf, job=self.job.name)
+        with self.lock:
+            self.checkpoint = (saved.path, t.step)
+            self.checkpoint_time = time.time()
 
     def _write_wanted(self, wanted) -> None:
         """A Checkpoint every rank agreed on at this boundary: write it (the periodic one of
@@ -143,15 +147,7 @@ class Worker(WorkerControl):
         t = self.trainer
         t0 = time.perf_counter()
         if self.checkpoint is None or self.checkpoint[1] != t.step:
-            g = t.g
-            saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
-                                    group=g.world, group_rank=g.rank,
-                                    group_size=self.layout.world,
-                                    keep=self.job.recovery.checkpoint_keep,
-                                    hf_source=self.job.training.init_hf, job=self.job.name)
-            with self.lock:
-                self.checkpoint = (saved.path, t.step)
-                self.checkpoint_time = time.time()
+            self._save_checkpoint()
         path, step = self.checkpoint
         seconds = time.perf_counter() - t0
         with self.lock:
