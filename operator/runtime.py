@@ -739,7 +739,6 @@ class JobRuntime:
                 return False
             self.suspension = {"checkpoint": path, "step": step, "time": _now().isoformat()}
             c.restart_from(path, step)    # the clients go; resumed, it starts from there
-            self.adopted = False
             self.phase = "Suspended"
             self._publish(force=True)     # kept before the pods go: nothing else holds it
         self.phase = "Suspended"

@@ -40,7 +40,8 @@ def test_wait_returns_at_once_and_the_host_sync_blocks():
     # WorkNCCL::wait only makes the stream wait; the host blocks at a sync of the result.
     r0 = run("wait_does_not_block")[0]
     res = r0["result"]
-    assert res["waited"] < 0.5 and res["completed_after_wait"] is False, res
+    # the peer joins 1 s later: wait() returned with the op not done; the sync waited for it
+    assert res["completed_after_wait"] is False, res
     assert res["synced"] > 0.8 and res["value"] == [3.0] * 4, res
 
 
@@ -56,22 +57,24 @@ def test_clean_up_only_aborts_the_communicator_and_the_process_lives():
     r0 = run("dead_peer", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})[0]
     assert r0["code"] == 0, r0
     res = r0["result"]
-    assert "watchdog aborted the communicator" in res["raised"] and 1.9 < res["after"] < 10
+    assert "watchdog aborted the communicator" in res["raised"] and res["after"] > 1.9
 
 
 def test_abort_frees_a_host_sync_stuck_on_a_dead_peer():
     r0 = run("abort_frees_the_sync")[0]
     res = r0["result"]
-    assert res["raised"] and 0.4 < res["after"] < 5, res
+    # ended by the abort, not by the watchdog (its timeout is 60 s)
+    assert "ncclCommAbort" in res["raised"] and res["after"] > 0.4, res
 
 
 def test_communicators_are_made_at_first_use_unless_made_eagerly():
     res = run("lazy_setup")[0]["result"]
     # without device_id: nothing when the group is made, the cost in the first collective
+    # (counted, and the first call pays the cost: a lower bound, which load cannot break)
     assert res["setups_when_made"] == 0 and res["setups_after_first"] == 1, res
-    assert res["first"] >= 0.3 and res["second"] < 0.2, res
+    assert res["first"] >= 0.3, res
     # eagerly (device_id, eager_connect_single_device): when made, not at first use
-    assert res["eager_made"] >= 0.3 and res["eager_first"] < 0.2, res
+    assert res["eager_made"] >= 0.3 and res["setups_when_eager_made"] == 2, res
     assert res["setups"] == 2 and res["setup_seconds"] == pytest.approx(0.6)
 
 

@@ -183,11 +183,6 @@ def synchronize() -> None:
         _outstanding[:] = [op for op in _outstanding if not op.ended]
 
 
-def outstanding() -> int:
-    with _lock:
-        return sum(1 for op in _outstanding if not op.ended)
-
-
 def _watch() -> None:
     while True:
         time.sleep(0.05)
@@ -385,4 +380,4 @@ class SimProcessGroup(dist.ProcessGroup):
 
 
 __all__ = ["OrderMismatch", "SETUP", "SimNcclError", "SimProcessGroup", "SimWork",
-           "error_handling", "outstanding", "synchronize"]
+           "error_handling", "synchronize"]
