@@ -37,7 +37,8 @@ from dynatrain.controller.job import JobSpec
 from dynatrain.controller.stagecost import training_flops_per_token
 from dynatrain.trainer.checkpoint import CheckpointPathError, check_checkpoint_path
 from dynatrain.trainer.groups import build_groups
-from dynatrain.trainer.redundancy import Redundancy
+from dynatrain.trainer.hostbuffers import HostBuffers
+from dynatrain.trainer.redundancy import Redundancy, slot_sizes
 from dynatrain.trainer.switch import preallocate
 from dynatrain.trainer.trainer import Trainer
 from dynatrain.vps import abandon
@@ -172,6 +173,12 @@ class WorkerControl:
         self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
                            if x.strip()}
         """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""
+        self.snapshot_buffers = HostBuffers(pin=self.torch_device.type == "cuda")
+        """The snapshot slots' host buffers: exact size, pinned once on a GPU, reused by the
+        next generation (reserved in its Prepare, so nothing is pinned inside the pause)."""
+        self.mirror_buffers = HostBuffers(pin=False)
+        self._retired_groups: list = []
+        """Process groups of generations switched away from, to shut down after a step."""
         self._graveyard: list = []
         """Groups of abandoned generations, and their mirror exchanges still in flight (with
         the buffers gloo may still touch): never used again, never destroyed or waited on
@@ -260,6 +267,10 @@ class WorkerControl:
             self.store, self.device, backend="gloo", timeout=timedelta(seconds=timeout_s))
 
         def build_extra(rank):
+            # The new generation's host slots, made (and pinned) now, off the pause.
+            sizes = slot_sizes(new_bound, rank, nodes or devices_per_node, mirror=mirror)
+            self.snapshot_buffers.reserve([sizes.snapshot] * 2)
+            self.mirror_buffers.reserve([sizes.mirror] * 2)
             groups = build_groups(new_bound, rank, mgr.group_factory(generation, layout))
             # Mirrors travel on a group of their own, beside the training's collectives.
             return groups, (host.build_group(generation, "mirror", list(layout.device_of))

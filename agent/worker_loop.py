@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
+from dynatrain.trainer.groups import shut_down
 from dynatrain.trainer.redundancy import Redundancy
 from dynatrain.trainer.switch import switch
 from dynatrain.trainer.trainer import LocalState, Trainer
@@ -77,8 +78,10 @@ class Worker(WorkerControl):
                 continue
             faults.inject("step", self.device)       # a hang here answers Status still
             try:
-                result = self.trainer.train_step(
-                    signal_value, self.redundancy.wait_mirror if self.redundancy else None)
+                red = self.redundancy
+                result = self.trainer.train_step(signal_value,
+                                                 red.wait_mirror if red else None,
+                                                 red.before_update if red else None)
             except Exception as e:                   # a peer died, or we were told so
                 self._interrupt(e)
                 continue
@@ -91,6 +94,7 @@ class Worker(WorkerControl):
                 self._interrupt(e)
                 continue
             self._report(result, snapshot_seconds)
+            self._shut_down_retired()
             self._release_previous()
             world = self.layout.world
             signals = round(result.signal)
@@ -114,7 +118,9 @@ class Worker(WorkerControl):
         buddy), and the periodic checkpoint when one is due. Returns the snapshot's seconds."""
         t = self.trainer
         t0 = time.perf_counter()
-        if self.redundancy is not None:
+        # Every rank snapshots at the same steps (spec.recovery is the same everywhere), as
+        # the mirror exchange needs; a generation's first boundary is always snapshotted.
+        if self.redundancy is not None and t.step % self.job.recovery.snapshot_every == 0:
             self.redundancy.snapshot(t.local_state())
         snapshot_seconds = time.perf_counter() - t0
         if t.step in self.dump_steps:
@@ -188,16 +194,28 @@ class Worker(WorkerControl):
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
+    def _shut_down_retired(self) -> None:
+        """The process groups of generations switched away from, shut down here, on the
+        training thread, after a step: nothing of theirs is in flight and no kernel of the
+        running generation is being launched (:func:`~dynatrain.trainer.groups.shut_down`)."""
+        while self._retired_groups:
+            shut_down(self._retired_groups.pop())
+
     def _release_previous(self) -> None:
         """Free the previous generation's snapshots once the running generation can be
         restored on its own (two steps after the switch: its own snapshots and its mirrors
-        of a step are then whole everywhere)."""
+        of a step are then whole everywhere). Their buffers go back to the pools, which keep
+        what the next generation is likely to take (this one's sizes) and return the rest."""
         prev = self.previous
         if prev is None or (self.trainer is not None and self.trainer.step < prev.until):
             return
         with self.lock:
             self.previous = None
         prev.redundancy.close()
+        if self.redundancy is not None:
+            sizes = self.redundancy.slot_bytes()
+            self.snapshot_buffers.trim(keep=[sizes.snapshot] * 2)
+            self.mirror_buffers.trim(keep=[sizes.mirror] * 2)
 
     def _interrupt(self, error: Exception) -> None:
         """The running generation failed under this device: drop the live trainer (its state
@@ -260,6 +278,7 @@ class Worker(WorkerControl):
                              torch_device=self.torch_device, restored=restored,
                              mirrored=mirrored, graveyard=self._graveyard)
                 trainer, pause, phases = res.trainer, res.pause_seconds, dict(res.phases)
+                self._retired_groups.append(res.old_groups)   # shut down after a step
                 sent, received = res.transfer.bytes_sent, res.transfer.bytes_received
                 local = res.transfer.bytes_local
                 print(f"device {self.device}: generation {p.generation}: pause "
@@ -275,7 +294,9 @@ class Worker(WorkerControl):
                 redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
                                         mirror_group, mirror=mirror_group is not None,
                                         ranks_per_node=p.nodes or p.devices_per_node,
-                                        wait=abandon.wait)
+                                        wait=abandon.wait, buffers=self.snapshot_buffers,
+                                        mirror_buffers=self.mirror_buffers,
+                                        calls_before_update=True)
                 redundancy.snapshot(trainer.local_state())   # a failure now restores here
         except Exception as e:      # TransitionError, GenerationAbandoned, anything else
             # The switch did not happen here; the snapshots taken before it still hold (a

@@ -8,12 +8,19 @@ replicated state on its surviving replicas, unique state in the mirror of the de
 :func:`recovery_needs` and :func:`restore_step` say which step that is; :meth:`Redundancy.restore`
 and :meth:`Redundancy.restore_mirror` hand the state back for a switch to the survivors' layout.
 
-Costs are kept off the step's critical path. A snapshot is one synchronous copy into a
-preallocated host buffer per slot (the unique part first, so it leaves as one contiguous
-message); the mirror exchange is an asynchronous gloo send/recv that overlaps the next step and
-is only waited for just before that step's final all-reduce (:meth:`Redundancy.wait_mirror`).
-That placement gives the invariant recovery relies on: once any rank has finished step s+1,
-every mirror of step s has arrived everywhere, while own snapshots of s and s+1 are both kept.
+Costs are kept off the step's critical path. A snapshot is one copy into a host buffer per
+slot (the unique part first, so it leaves as one contiguous message); the buffers come from a
+:class:`~dynatrain.trainer.hostbuffers.HostBuffers` pool: exact size, pinned once under CUDA,
+reused by the next generation. On a GPU the copies run on a side stream and end in an event:
+the training thread does not wait for them; the compute stream waits for that event only
+before the next optimizer update (:meth:`Redundancy.before_update`), the one kernel that
+overwrites what is being copied, and the mirror exchange is posted by a short-lived thread once
+the event has fired. On the CPU the copy is synchronous and the exchange posted at once. The
+mirror exchange is an asynchronous gloo send/recv that overlaps the next step and is only
+waited for just before that step's final all-reduce (:meth:`Redundancy.wait_mirror`), after
+the gradient all-reduce. That placement gives the invariant recovery relies on: once any rank
+has finished step s+1, every mirror of step s has arrived everywhere, while own snapshots of s
+and the one before (s-1, or s-k when the worker snapshots every k steps) are both kept.
 
 Buddies are a rotation over the ranks ordered by node, so the map is a permutation (everyone
 sends one message and receives one) and, whenever no node holds more than half the ranks, a
@@ -27,6 +34,7 @@ decision here reads only layout metadata, so all ranks derive the same pairs wit
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +44,7 @@ from dynatrain.vps.layout import BoundLayout, Layout
 from dynatrain.vps.mapping import RankShard, rank_shards, shard_pattern
 from dynatrain.vps.topology import Nodes, node_of
 
+from .hostbuffers import HostBuffers
 from .trainer import LocalState
 from .weights import TORCH_DTYPES
 
@@ -44,6 +53,8 @@ _ALIGN = 64
 _HEADER = _ALIGN
 """A slot starts with its step (int64), so a receiver can check which step a mirror is of."""
 _TAG = 0x5EDA
+_POSTING = object()
+"""Stands for a send or recv whose posting waits for the copies' event (a thread posts it)."""
 
 
 # -- pure metadata: who mirrors whom, what is unique -----------------------------------------
@@ -234,12 +245,13 @@ def _copy(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
 class _Slot:
     """One host buffer and what it holds: a step, or nothing (``step is None``)."""
 
-    def __init__(self, nbytes: int, pin: bool):
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
         self.step: int | None = None
         self.data_position = 0
         self.rng: dict = {}
         self.work = None                           # a recv still writing into this slot
+        self.copied = None                         # the CUDA event that ends its copies
 
 
 def _pick(slots: list[_Slot], step: int) -> _Slot:
@@ -259,13 +271,29 @@ class Redundancy:
     """
 
     def __init__(self, bound: BoundLayout, rank: int, group, *, mirror: bool = True,
-                 ranks_per_node: Nodes = 1, wait=None):
+                 ranks_per_node: Nodes = 1, wait=None, buffers: HostBuffers | None = None,
+                 mirror_buffers: HostBuffers | None = None, post_in_background: bool = False,
+                 calls_before_update: bool = False):
+        """``buffers``: where the snapshot slots come from (by default a pool of this
+        Redundancy's own, pinned when CUDA is there: device-to-host copies want pinned
+        memory); ``mirror_buffers``: the mirror slots' (never pinned: only gloo writes them).
+        ``post_in_background``: post the mirror exchange from a thread even when the copies
+        were synchronous (CPU), as it is on a GPU; for tests of that path.
+        ``calls_before_update``: the caller calls :meth:`before_update` before every optimizer
+        update (the trainer's ``before_update`` hook); otherwise the compute stream waits for
+        a snapshot's copies at once (still without blocking the host)."""
         lay = bound.layout
         if not 0 <= rank < lay.world:
             raise ValueError(f"rank={rank} is not a rank of {lay.to_text()} (world {lay.world})")
         self.bound, self.rank, self.group = bound, rank, group
         self._wait = wait or (lambda work: work.wait())
-        pin = torch.cuda.is_available()            # device-to-host copies want pinned memory
+        self.buffers = buffers or HostBuffers(pin=torch.cuda.is_available())
+        self.mirror_buffers = mirror_buffers or HostBuffers(pin=False)
+        self._post_in_background = post_in_background
+        self._calls_before_update = calls_before_update
+        self._stream = None                        # the side stream of the copies (CUDA)
+        self._poster: threading.Thread | None = None
+        self._post_error: BaseException | None = None
 
         own = rank_shards(bound, rank)
         unique = unique_shards(bound, rank)
@@ -277,7 +305,7 @@ class Redundancy:
             [rs for rs in own if (rs.tensor.name, rs.state) not in unique_keys], self._unique_end)
         self._entries = first + rest
         self.unique = tuple((rs.tensor.name, rs.state) for rs in unique)
-        self._slots = [_Slot(total, pin), _Slot(total, pin)]
+        self._slots = [_Slot(self.buffers.take(total)), _Slot(self.buffers.take(total))]
 
         self.buddy: int | None = None
         self.source: int | None = None
@@ -292,7 +320,8 @@ class Redundancy:
             if src_unique:
                 self.source = source
                 self._mirror_entries, end = _layout_entries(src_unique, _HEADER)
-                self._mirror_slots = [_Slot(end, False), _Slot(end, False)]
+                self._mirror_slots = [_Slot(self.mirror_buffers.take(end)),
+                                      _Slot(self.mirror_buffers.take(end))]
         if self.buddy is not None or self.source is not None:
             if group is None:
                 raise ValueError(f"rank {rank} of {lay.to_text()} mirrors unique state, which "
@@ -321,28 +350,101 @@ class Redundancy:
         self.wait_mirror()                         # normally finished during the last step
         slot = _pick(self._slots, state.step)
         slot.step = None                           # invalid until the copy is whole
-        with torch.no_grad():
-            for e in self._entries:
-                _view(slot.buf, e).copy_(state.tensors[e.key][0].detach())
+        self._settle_copy(slot)                    # (an older copy into it, never waited)
+        slot.copied = self._copy_in(slot, state)
         slot.buf[:8].view(torch.int64)[0] = state.step
         slot.data_position = state.data_position
         slot.rng = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in state.rng.items()}
         slot.step = state.step
 
-        if self.buddy is not None:
-            work = self.group.send([slot.buf[:self._unique_end]], self.buddy, _TAG)
-            self._send = (work, slot)
+        mslot = None
         if self.source is not None:
             mslot = _pick(self._mirror_slots, state.step)
             # The older mirror is overwritten from now on; it counts again once complete.
             mslot.step = state.step
-            mslot.work = self.group.recv([mslot.buf], self.source, _TAG)
+            mslot.work = _POSTING
             self._recv_slot = mslot
+        if self.buddy is not None:
+            self._send = (_POSTING, slot)
+        if slot.copied is None and not self._post_in_background:
+            self._post(slot, mslot)
+        elif self.buddy is not None or mslot is not None:
+            # The send may leave only once the copies are whole: wait for their event off the
+            # training thread (a recv is posted by the same thread, after it: one order).
+            self._poster = threading.Thread(target=self._post_when_copied, args=(slot, mslot),
+                                            name=f"mirror-post-{state.step}", daemon=True)
+            self._poster.start()
+
+    def _copy_in(self, slot: _Slot, state: LocalState):
+        """Copy ``state`` into ``slot``: synchronously from CPU tensors; from GPU tensors on
+        the side stream, returning the event that ends the copies."""
+        cuda = next((t for t, _ in state.tensors.values() if t.is_cuda), None)
+        with torch.no_grad():
+            if cuda is None:
+                for e in self._entries:
+                    _view(slot.buf, e).copy_(state.tensors[e.key][0].detach())
+                return None
+            main = torch.cuda.current_stream(cuda.device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(cuda.device)
+            self._stream.wait_stream(main)         # the state as the last update left it
+            with torch.cuda.stream(self._stream):
+                for e in self._entries:
+                    _view(slot.buf, e).copy_(state.tensors[e.key][0].detach(),
+                                             non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            if not self._calls_before_update:
+                main.wait_event(event)
+            return event
+
+    def before_update(self) -> None:
+        """Call before the optimizer overwrites the state: the compute stream waits (on the
+        GPU, the host does not) for the copies of the newest snapshot. A no-op on the CPU."""
+        for s in self._slots:
+            if s.copied is not None:
+                torch.cuda.current_stream().wait_event(s.copied)
+
+    def _settle_copy(self, slot: _Slot) -> None:
+        """The host waits for ``slot``'s copies (before reading or overwriting it)."""
+        if slot.copied is not None:
+            slot.copied.synchronize()
+            slot.copied = None
+
+    def _post(self, slot: _Slot, mslot: _Slot | None) -> None:
+        if self.buddy is not None:
+            self._send = (self.group.send([slot.buf[:self._unique_end]], self.buddy, _TAG),
+                          slot)
+        if mslot is not None:
+            mslot.work = self.group.recv([mslot.buf], self.source, _TAG)
+
+    def _post_when_copied(self, slot: _Slot, mslot: _Slot | None) -> None:
+        try:
+            if slot.copied is not None:
+                slot.copied.synchronize()
+            self._post(slot, mslot)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread
+            self._post_error = e
+
+    def _join_poster(self) -> None:
+        """Wait until the exchange in flight is posted (it follows the copies' event)."""
+        if self._poster is not None:
+            self._poster.join()
+            self._poster = None
+            if self._post_error is not None:
+                e, self._post_error = self._post_error, None
+                if self._recv_slot is not None:
+                    self._recv_slot.step, self._recv_slot.work = None, None
+                    self._recv_slot = None
+                self._send = None
+                raise RuntimeError(f"rank {self.rank}: posting the mirror exchange failed: "
+                                   f"{e}") from e
 
     def wait_mirror(self) -> None:
         """Wait for the exchange in flight (call it before the next step's final all-reduce:
         a rank that finished that step then knows every mirror of this one arrived)."""
+        self._join_poster()
         if self._send is not None:
             work, _ = self._send
             self._send = None
@@ -379,7 +481,7 @@ class Redundancy:
         """
         own = sorted(s.step for s in self._slots if s.step is not None)
         slot = self._recv_slot
-        if slot is not None and slot.work is not None and slot.work.is_completed():
+        if slot is not None and slot.work not in (None, _POSTING) and slot.work.is_completed():
             # Completed, so this returns at once. A failed recv (its source died) has already
             # marked its slot invalid, and holdings are asked for exactly after failures.
             with contextlib.suppress(RuntimeError):
@@ -396,6 +498,7 @@ class Redundancy:
         if slot is None:
             raise KeyError(f"rank {self.rank} holds no snapshot of step {step}; it holds "
                            f"{self.holdings()[0]}")
+        self._settle_copy(slot)
         tensors = {e.key: (_copy(_view(slot.buf, e), device), e.pieces)
                    for e in self._entries}
         rng = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in slot.rng.items()}
@@ -415,9 +518,28 @@ class Redundancy:
                            f"it {what}")
         return {e.key: _copy(_view(slot.buf, e), device) for e in self._mirror_entries}
 
+    def slot_bytes(self) -> SlotSizes:
+        """The sizes of this rank's slots (as :func:`slot_sizes` gives them)."""
+        snap = self._slots[0].buf.numel() if self._slots else 0
+        mirror = self._mirror_slots[0].buf.numel() if self._mirror_slots else 0
+        return SlotSizes(snap, self._unique_end, mirror)
+
     def memory_bytes(self) -> int:
         """Host bytes held: both own snapshot slots and both mirror slots."""
         return sum(s.buf.numel() for s in self._slots + self._mirror_slots)
+
+    def _give_back(self, keep_out=()) -> None:
+        """Every slot's buffer back to its pool, except ``keep_out`` (lost: an exchange that
+        will never be waited may still use them)."""
+        for pool, slots in ((self.buffers, self._slots),
+                            (self.mirror_buffers, self._mirror_slots)):
+            for s in slots:
+                self._settle_copy(s)               # a GPU copy never hangs on a dead peer
+                if any(s.buf is b for b in keep_out):
+                    pool.lose(s.buf)
+                else:
+                    pool.give(s.buf)
+        self._slots, self._mirror_slots = [], []
 
     def settle(self) -> None:
         """Finish the exchange in flight and keep every buffer: the end of a generation that
@@ -441,7 +563,7 @@ class Redundancy:
         except Exception:  # noqa: BLE001 - gloo is done with a failed op (and its Work
             pass           # holds the buffers it used, so dropping ours is safe anyway)
         finally:
-            self._slots, self._mirror_slots = [], []
+            self._give_back()                      # for the next generation's slots
             self._send, self._recv_slot = None, None
 
     def drop(self) -> list[tuple[object, torch.Tensor]]:
@@ -458,6 +580,11 @@ class Redundancy:
         slot = self._recv_slot
         if slot is not None and slot.work is not None:
             in_flight.append((slot.work, slot.buf))
-        self._slots, self._mirror_slots = [], []
+        if self._poster is not None:
+            # Still to post (waiting for the copies): it will post into these buffers, and
+            # its works are never waited. Keep the thread with them.
+            in_flight = [(self._poster, buf) for _, buf in in_flight]
+            self._poster = None
+        self._give_back(keep_out=[buf for _, buf in in_flight])
         self._send, self._recv_slot = None, None
         return in_flight

@@ -239,12 +239,15 @@ class Trainer:
     def _activation_shape(self) -> tuple[int, int, int]:
         return (self.cfg.micro_batch_size, self.cfg.seq_len, self.model.hidden_size)
 
-    def train_step(self, signal: float = 0.0, before_report=None) -> StepResult:
+    def train_step(self, signal: float = 0.0, before_report=None,
+                   before_update=None) -> StepResult:
         """One optimizer step. ``signal`` is summed over every rank in the step's own loss
         all-reduce, so all ranks agree on it at the same step boundary at no extra cost (the
         agent uses it to agree on when to switch). ``before_report()`` runs just before that
         final all-reduce: whatever it waits for has happened on every rank once any rank
-        completes the step (the redundancy waits for its mirrors there)."""
+        completes the step (the redundancy waits for its mirrors there). ``before_update()``
+        runs just before the optimizer overwrites the state (a snapshot's copies on a GPU
+        side stream are waited for there, by the compute stream)."""
         t0 = time.perf_counter()
         waited0 = waited_seconds()
         if self.zero == 3:
@@ -265,6 +268,8 @@ class Trainer:
 
         fill_missing_grads(self.working)
         reduce_gradients(self.working, self.specs, g)
+        if before_update is not None:
+            before_update()
         square, norm = self._optimizer_step()
         self.step += 1
         samples = (self.position, self.position)

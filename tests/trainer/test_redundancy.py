@@ -176,14 +176,16 @@ def test_recovery_needs_names_the_buddy_or_none():
 # -- real runs ---------------------------------------------------------------------------------
 # Every case runs in the same two worker processes, one after the other (each with its own
 # groups): starting processes and importing torch costs more than the training itself.
-CASES = [("dp=2,zero=1", 1), ("pp=2", 1)]
+CASES = [("dp=2,zero=1", 1), ("pp=2", 1), ("dp=2,zero=1", 1, "background")]
+"""(layout, ranks per node[, "background": the exchange posted from a thread after the
+copies, as on a GPU])."""
 STUCK = len(CASES)
 """The index of the last phase of the same processes: a peer that stops taking part."""
 WORLD = 2
 STEPS = 3
 
 
-def _run_case(rank, mgr, generation, layout, per_node, outdir):
+def _run_case(rank, mgr, generation, layout, per_node, outdir, *flags):
     from dynatrain.trainer.groups import build_groups
     from dynatrain.trainer.trainer import Trainer
 
@@ -192,7 +194,7 @@ def _run_case(rank, mgr, generation, layout, per_node, outdir):
     bound = bind(lay, cfg.model)
     groups = build_groups(bound, rank, mgr.group_factory(generation, lay))
     red = Redundancy(bound, rank, mgr.build_group(generation, "redundancy", list(range(WORLD))),
-                     ranks_per_node=per_node)
+                     ranks_per_node=per_node, post_in_background="background" in flags)
     trainer = Trainer(cfg, groups)
 
     def record():
@@ -275,11 +277,11 @@ def _worker(rank, port, outdir, results):
     store = dist.TCPStore("127.0.0.1", port, WORLD + 1, is_master=False,
                           timeout=timedelta(seconds=60))
     mgr = DeviceManager(store, rank, timeout=timedelta(seconds=60))
-    for i, (layout, per_node) in enumerate(CASES):
+    for i, (layout, per_node, *flags) in enumerate(CASES):
         os.makedirs(f"{outdir}/{i}", exist_ok=True)
         try:
             results.put(("ok", i, rank, _run_case(rank, mgr, i, layout, per_node,
-                                                  f"{outdir}/{i}")))
+                                                  f"{outdir}/{i}", *flags)))
         except BaseException as e:  # report by name; the peer may be stuck, so stop here
             message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             results.put(("error", i, rank, message))
@@ -337,10 +339,10 @@ def runs(tmp_path_factory):
     return outdir, out
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
 def test_snapshots_and_mirrors_are_bit_exact_in_a_real_run(runs, case):
     outdir, out = runs
-    layout, per_node = CASES[case]
+    layout, per_node, *_ = CASES[case]
     reports = out[case]
     assert isinstance(reports, dict) and len(reports) == WORLD, reports
     path = outdir / str(case)
