@@ -98,3 +98,23 @@ def build_groups(bound: BoundLayout, rank: int,
         if rank in ranks:
             setattr(groups, kind, handle)
     return groups
+
+
+def shut_down(groups: ParallelGroups | None) -> int:
+    """Shut down a generation's process groups that are done with: NCCL's (and nccl-sim's)
+    communicators explicitly, gloo's by dropping them. Call it on the training thread at a
+    quiet point (after a step, nothing of theirs in flight): torch's ``ProcessGroupNCCL``
+    tears a communicator down with ``ncclCommDestroy``, which must not race kernels the same
+    thread is launching on other communicators. Returns the number shut down explicitly."""
+    if groups is None:
+        return 0
+    seen, n = set(), 0
+    for g in (groups.tp, groups.dp, groups.edp, groups.ep, groups.embed, groups.kv, groups.pp,
+              groups.world):
+        if g is None or id(g) in seen or isinstance(g, dist.ProcessGroupGloo):
+            continue
+        seen.add(id(g))
+        if hasattr(g, "shutdown"):
+            g.shutdown()
+            n += 1
+    return n

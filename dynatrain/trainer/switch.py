@@ -47,7 +47,11 @@ class SwitchResult:
     """Seconds per phase of the pause: release (old state out), transfer (of which
     local_copies and network), commit, rebuild."""
     freeing: threading.Thread | None = None
-    """The thread dropping the old process groups and (on CPU) old tensors after the pause."""
+    """The thread dropping (on CPU) the old tensors after the pause."""
+    old_groups: object = None
+    """The old generation's process groups, for the caller to shut down on its own thread at
+    a quiet point (:func:`~dynatrain.trainer.groups.shut_down`): an NCCL communicator torn
+    down on another thread while the next step's kernels run can block them."""
 
 
 def new_local_shapes(prepared: PreparedSwitch) -> tuple[dict, dict]:
@@ -171,8 +175,8 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
             mirrored = {d: {k: t.to(dev) for k, t in m.items()} for d, m in mirrored.items()}
     trainer = trainer_holder.pop() if trainer_holder else None
     state = trainer.local_state() if trainer is not None else restored
-    # The old generation's process groups die with the trainer, unless held: tearing down a
-    # gloo group takes ~20 ms (it releases the GIL), so they go with the retired tensors.
+    # The old generation's process groups die with the trainer, unless held: they are handed
+    # back to the caller, which shuts them down on its training thread after the next step.
     old_groups = trainer.g if trainer is not None else None
     del trainer, restored
     scalars = (state.step, state.data_position, state.rng["cpu"]) if state is not None else None
@@ -185,7 +189,7 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
     # On CPU, old tensors are freed after the pause (see the module docstring); on a GPU,
     # freeing is cheap and early frees keep the peak lower.
     retired = [] if dev.type == "cpu" else None
-    late = [] if old_groups is None else [old_groups]   # dropped after the pause, on a thread
+    late = []                                           # dropped after the pause, on a thread
     try:
         new, stats = execute_transition(prepared.plan, device, old, new_shapes,
                                         prepared.transition_group, prepared.group_rank,
@@ -206,9 +210,9 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
               "wait": stats.wait_seconds, "unpack": stats.unpack_seconds}
     del old
     if prepared.new_rank is None:   # a leaver frees its old state on return: nobody waits
-        return SwitchResult(None, t3 - t0, stats, phases)
+        return SwitchResult(None, t3 - t0, stats, phases, old_groups=old_groups)
     late.extend(retired or [])
-    del old_groups, retired
+    del retired
     local = LocalState({k: (t, pieces[k]) for k, t in new.items()}, step, position,
                        {"cpu": rng})
     new_trainer = Trainer(new_config, prepared.extra, device=dev, state=local)
@@ -216,4 +220,5 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
     phases["rebuild"] = t4 - t3
     # Freed only now: the thread takes the GIL, which the rebuild above needs; the next
     # training step's kernels leave it free most of the time.
-    return SwitchResult(new_trainer, t4 - t0, stats, phases, free_in_background(late))
+    return SwitchResult(new_trainer, t4 - t0, stats, phases, free_in_background(late),
+                        old_groups)
