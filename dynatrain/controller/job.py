@@ -100,6 +100,11 @@ class RecoverySpec:
     mirror: bool = True
     """Mirror each worker's unique state (no replica across DP) to a buddy's host memory
     after every step, so that one lost worker (or node) costs no checkpoint."""
+    snapshot_every: int = 1
+    """Steps between in-memory snapshots (``spec.recovery.snapshotEverySteps``): a recovery
+    then trains up to ``snapshot_every - 1`` steps again, and the snapshots' copy and mirror
+    cost that much less per step. ``dynatrain plan --memory`` prints the smallest value that
+    keeps the modelled cost at or under 5% of a step."""
     checkpoint_interval: int = 0
     """Steps between PyTorch Distributed Checkpoints (``spec.checkpoint.intervalSteps``), the
     last resort; 0: no ``spec.checkpoint``, none."""
@@ -406,6 +411,8 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     recovery = RecoverySpec(
         timeouts=_timeouts(r, r.obj(rec, "timeouts", "spec.recovery")),
         mirror=mirror,
+        snapshot_every=r.int(rec, "snapshotEverySteps", "spec.recovery", 1, minimum=1,
+                             maximum=1000) or 1,
         checkpoint_interval=(r.int(ck, "intervalSteps", "spec.checkpoint", 1000, minimum=1)
                              or 1000) if ck else 0,
         checkpoint_dir=ck_path,

@@ -302,7 +302,8 @@ def render(rep: MemoryReport) -> str:
     lines.append(f"  redundancy per step: copy {r.copy_seconds:.3f} s + mirror "
                  f"{r.mirror_seconds:.3f} s (exposed {r.exposed_seconds:.3f} s) vs a "
                  f"{r.step_seconds:.3f} s step: {r.share:.1%}; a snapshot every "
-                 f"{r.every_for(0.05)} steps keeps it <= 5%")
+                 f"{r.every_for(0.05)} steps keeps it <= 5% (spec.recovery."
+                 "snapshotEverySteps)")
     return "\n".join(lines)
 
 

@@ -57,6 +57,8 @@ def test_examples_load():
     (("spec", "output", "hf"), "", "spec.output.hf"),
     (("spec", "output", "tensorboard"), "", "spec.output.tensorboard"),
     (("spec", "output", "logEverySteps"), 0, "spec.output.logEverySteps"),
+    (("spec", "recovery", "snapshotEverySteps"), 0, "spec.recovery.snapshotEverySteps"),
+    (("spec", "recovery", "snapshotEverySteps"), "4", "spec.recovery.snapshotEverySteps"),
     (("kind",), "Job", "kind"),
 ])
 def test_bad_manifest_names_field(path, value, field):
