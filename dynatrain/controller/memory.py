@@ -16,20 +16,25 @@ budget); activations and gradients are gone at the step boundary where a switch 
 **Host, per node.** Each rank's :class:`~dynatrain.trainer.redundancy.Redundancy` keeps two
 snapshot slots of its whole local state (pinned when CUDA is there: device-to-host copies
 want pinned memory) and two mirror slots of its source's unique state (pageable), sized by
-:func:`~dynatrain.trainer.redundancy.slot_sizes`. Pinned memory comes from torch's
-``CachingHostAllocator``, which rounds every block up to a power of two and keeps freed
-blocks for reuse rather than returning them (torch ``aten/src/ATen/core/CachingHostAllocator.h``);
-so a slot costs the next power of two of its size. After a planned switch the previous
-generation's slots are kept until the new one has a whole mirrored step of its own
-(``Status.previous_*``), so for those steps a node holds both generations' slots.
+:func:`~dynatrain.trainer.redundancy.slot_sizes`. The slots come from
+:class:`~dynatrain.trainer.hostbuffers.HostBuffers`: exact size, page-locked with
+``cudaHostRegister``. Beside it the report shows what torch's ``CachingHostAllocator`` would
+have taken (every block rounded up to a power of two and never returned, torch
+``aten/src/ATen/core/CachingHostAllocator.h``), which the slots used before. After a planned
+switch the previous generation's slots are kept until the new one has a whole mirrored step
+of its own (``Status.previous_*``), so for those steps a node holds both generations' slots;
+the pool then keeps one generation's worth for the next switch.
 
-**Time, per step.** After every step the worker copies its whole local state into a snapshot
-slot before the next step starts (device to host, at the profile's host link rate) and sends
-the unique part to its buddy on another node (gloo over the NIC, at best the profile's
-inter-node rate), which overlaps the next step until its gradient all-reduce waits for it. The
-exposed cost is the copy plus whatever of the mirror outlasts one step. Snapshotting every
-``k`` steps divides it by ``k`` at the price of up to ``k - 1`` steps trained again after a
-loss; :attr:`RedundancyCost.every_for` is the smallest ``k`` under a target share.
+**Time, per step.** After a step the worker copies its whole local state into a snapshot
+slot (device to host, at the profile's host link rate) and then sends the unique part to its
+buddy on another node (gloo over the NIC, at best the profile's inter-node rate); the next
+step waits for both just before its final (loss) all-reduce. On a GPU the copy runs on a side
+stream, overlapping the next step's compute (only its optimizer update waits for it), so the
+exposed cost is whatever of copy + mirror outlasts one step; on the CPU the copy is
+synchronous and exposed whole. Snapshotting every ``k`` steps
+(``spec.recovery.snapshotEverySteps``) divides it by ``k`` at the price of up to ``k - 1``
+steps trained again after a loss; :attr:`RedundancyCost.every_for` is the smallest ``k``
+under a target share. The GPU-side figures are modelled, not measured: no GPU ran them.
 
 Plain arithmetic over the mapping and the planner (no processes, no device memory): the
 built-in cases (llama-7b dp=8 ZeRO-1; llama-70b tp=8,pp=4,dp=4) take about a second.
@@ -81,12 +86,13 @@ class RankHost:
 
     @property
     def pinned(self) -> int:
-        return SLOTS * pinned_block(self.snapshot)
+        """The snapshot slots, registered at their exact size (what the code pins)."""
+        return SLOTS * self.snapshot
 
     @property
-    def pinned_exact(self) -> int:
-        """What the same slots would cost registered at their exact size."""
-        return SLOTS * self.snapshot
+    def pinned_rounded(self) -> int:
+        """What the same slots would take from torch's caching host allocator."""
+        return SLOTS * pinned_block(self.snapshot)
 
     @property
     def pageable(self) -> int:
@@ -100,7 +106,7 @@ class NodeHost:
     node: str
     ranks: int
     pinned: int
-    pinned_exact: int
+    pinned_rounded: int
     pageable: int
 
     @property
@@ -113,14 +119,24 @@ class RedundancyCost:
     """Seconds per step the snapshots and mirrors cost, against the modelled step."""
 
     copy_seconds: float
-    """The busiest rank's device-to-host copy of its whole local state (blocking)."""
+    """The busiest rank's device-to-host copy of its whole local state."""
     mirror_seconds: float
     """Its unique state to the buddy over the inter-node link (overlaps the next step)."""
     step_seconds: float
+    copy_overlaps: bool = True
+    """The copy runs on a side stream beside the next step (a GPU); else it blocks (CPU)."""
 
     @property
     def exposed_seconds(self) -> float:
+        if self.copy_overlaps:          # the mirror leaves once the copy is whole
+            return max(0.0, self.copy_seconds + self.mirror_seconds - self.step_seconds)
         return self.copy_seconds + max(0.0, self.mirror_seconds - self.step_seconds)
+
+    @property
+    def blocking_share(self) -> float:
+        """The share if the copy blocked the step (the code before the side stream)."""
+        return (self.copy_seconds + max(0.0, self.mirror_seconds - self.step_seconds)
+                ) / self.step_seconds
 
     @property
     def share(self) -> float:
@@ -168,7 +184,7 @@ class MemoryReport:
         for r in ranks:
             by.setdefault(r.node, []).append(r)
         return [NodeHost(n, len({r.device for r in rs}), sum(r.pinned for r in rs),
-                         sum(r.pinned_exact for r in rs), sum(r.pageable for r in rs))
+                         sum(r.pinned_rounded for r in rs), sum(r.pageable for r in rs))
                 for n, rs in sorted(by.items())]
 
     def busiest_node(self, *, during_switch: bool = False) -> NodeHost:
@@ -186,13 +202,15 @@ class MemoryReport:
             "step_gpu_peak": self.step.memory_bytes,
             "step_gpu_breakdown": dict(self.step.memory_breakdown),
             "step_seconds": self.step.step_seconds,
-            "host_pinned_per_node": node.pinned, "host_pinned_exact_per_node": node.pinned_exact,
+            "host_pinned_per_node": node.pinned,
+            "host_pinned_rounded_per_node": node.pinned_rounded,
             "host_pageable_per_node": node.pageable,
             "host_during_switch_per_node": during.total,
-            "host_during_switch_exact_per_node": during.pinned_exact + during.pageable,
+            "host_during_switch_rounded_per_node": during.pinned_rounded + during.pageable,
             "redundancy_copy_seconds": self.redundancy.copy_seconds,
             "redundancy_mirror_seconds": self.redundancy.mirror_seconds,
             "redundancy_share": self.redundancy.share,
+            "redundancy_share_blocking": self.redundancy.blocking_share,
             "snapshot_every_for_5_percent": self.redundancy.every_for(0.05),
         }
         if self.switch_gpu is not None:
@@ -261,7 +279,7 @@ def memory_report(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
             mirror_bytes_per_second or min(profile.inter_node_bytes_per_second,
                                            GLOO_TCP_BYTES_PER_SECOND))
         if layout.world > 1 else 0.0,
-        step_seconds=step.step_seconds)
+        step_seconds=step.step_seconds, copy_overlaps=profile.name != "cpu")
     sw, new_hosts = None, ()
     if new_layout is not None:
         sw = switch_gpu(model, layout, new_layout, nodes, staging_bytes)
@@ -288,20 +306,22 @@ def render(rep: MemoryReport) -> str:
                      f"adopted {gib(sw.adopted)} + staging {gib(sw.staging)})"
                      + ("" if sw.peak <= p.memory_bytes else "  DOES NOT FIT"))
     lines.append(f"  host per node: pinned {gib(node.pinned)} ({node.ranks} ranks x {SLOTS} "
-                 f"snapshot slots of {gib(h.snapshot)}, each reserved as "
-                 f"{gib(pinned_block(h.snapshot))}; {gib(node.pinned_exact)} at exact size), "
-                 f"pageable mirrors {gib(node.pageable)}; total {gib(node.total)} = "
+                 f"snapshot slots of {gib(h.snapshot)} at exact size; torch's caching "
+                 f"allocator would reserve {gib(node.pinned_rounded)}), pageable mirrors "
+                 f"{gib(node.pageable)}; total {gib(node.total)} = "
                  f"{node.total / p.host_memory():.0%} of the node")
     if rep.new_layout is not None:
-        exact = during.pinned_exact + during.pageable
+        rounded = during.pinned_rounded + during.pageable
         lines.append(f"  host per node while the previous generation is kept after the "
                      f"switch: {gib(during.total)} = {during.total / p.host_memory():.0%} "
-                     f"of the node ({gib(exact)} = {exact / p.host_memory():.0%} with slots "
-                     "at exact size)")
+                     f"of the node ({gib(rounded)} = {rounded / p.host_memory():.0%} with "
+                     "power-of-two blocks)")
     r = rep.redundancy
-    lines.append(f"  redundancy per step: copy {r.copy_seconds:.3f} s + mirror "
+    how = ("on a side stream beside the next step" if r.copy_overlaps else "blocking")
+    lines.append(f"  redundancy per step: copy {r.copy_seconds:.3f} s ({how}) + mirror "
                  f"{r.mirror_seconds:.3f} s (exposed {r.exposed_seconds:.3f} s) vs a "
-                 f"{r.step_seconds:.3f} s step: {r.share:.1%}; a snapshot every "
+                 f"{r.step_seconds:.3f} s step: {r.share:.1%} ({r.blocking_share:.1%} with a "
+                 f"blocking copy); a snapshot every "
                  f"{r.every_for(0.05)} steps keeps it <= 5% (spec.recovery."
                  "snapshotEverySteps)")
     return "\n".join(lines)
