@@ -114,7 +114,36 @@ def order(rank, world, port, mismatched: bool):
     return {"mismatch": None}
 
 
+def warm_up_mesh(rank, world, port):
+    """Every pair of a 4-rank group warmed up at once, as Prepare does (ops run to the end
+    when posted, as the workers' groups do): no deadlock, no order mismatch, and a message
+    after it finds its pair made."""
+    from dynatrain.vps.generations import warm_up_pairs
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=timedelta(seconds=30))
+    pg = ncclsim.SimProcessGroup(dist.PrefixStore("g", store), rank, world,
+                                 timedelta(seconds=30), name="test", ordered=True)
+    t0 = time.monotonic()
+    try:
+        warm_up_pairs(pg, [p for p in range(world) if p != rank])
+        ncclsim.synchronize()
+    except ncclsim.OrderMismatch as e:
+        return {"mismatch": str(e)}
+    seconds = time.monotonic() - t0
+    made = ncclsim.SETUP["count"]
+    peer = rank ^ 1
+    t = torch.full((2,), float(rank))
+    (pg.send([t], peer, 7) if rank < peer else pg.recv([t], peer, 7)).wait()
+    ncclsim.synchronize()
+    store.set(f"done-{rank}", "1")          # the store's host (rank 0) leaves last
+    store.wait([f"done-{r}" for r in range(world)])
+    return {"mismatch": None, "seconds": seconds, "made": made,
+            "made_after": ncclsim.SETUP["count"], "got": t.tolist()}
+
+
 SCENARIOS = {
+    "warm_up_mesh": warm_up_mesh,
     "wait_does_not_block": wait_does_not_block,
     "dead_peer": dead_peer,
     "abort_frees_the_sync": abort_frees_the_sync,

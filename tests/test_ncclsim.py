@@ -87,3 +87,44 @@ def test_the_recorder_finds_a_pair_posted_in_different_orders(name, mismatch):
             "and 32 bytes, tag 2 by the receiver" in r1["mismatch"], r1
     else:
         assert r1["mismatch"] is None
+
+
+def test_prepare_warms_up_every_pair_in_one_global_order_without_a_deadlock():
+    # ProcessGroupNCCL makes a pair's communicator at the pair's first send/recv
+    # (getNCCLComm keyed by the pair); DeviceManager._connect exchanges one message per pair
+    # in Prepare (vps.generations.warm_up_pairs). Here a full mesh of 4 ranks, each send
+    # blocking until its receive is posted: it ends, in one order the recorder accepts.
+    res = run("warm_up_mesh", world=4, env={"DYNATRAIN_NCCL_SIM_SETUP_SECONDS": "0.1"})
+    for r, got in enumerate(res):
+        assert got["code"] == 0, got["stderr"][-2000:]
+        out = got["result"]
+        assert out["mismatch"] is None, out
+        assert out["made"] == 3 and out["made_after"] == 3, out   # 3 pairs each, no more
+        assert out["got"] == [float(r ^ 1 if r % 2 else r)] * 2
+        assert "at first use" not in got["stderr"]
+
+
+def test_a_switched_away_generations_nccl_groups_are_shut_down_and_gloos_left_to_drop():
+    # The worker hands the old generation's groups to trainer.groups.shut_down after the next
+    # step, on its training thread (ProcessGroupNCCL.shutdown destroys the communicators;
+    # doing that on a freeing thread could race the kernels being launched). nccl-sim's
+    # shutdown aborts, so any later use of an old group raises.
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dynatrain.trainer.groups import ParallelGroups, shut_down
+    from dynatrain.vps.ncclsim import SimNcclError, SimProcessGroup
+
+    store = dist.HashStore()
+    sim = SimProcessGroup(dist.PrefixStore("a", store), 0, 1, timedelta(seconds=5), name="dp")
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("b", store), 0, 1, timedelta(seconds=5))
+    groups = ParallelGroups(rank=0, pp_index=0, dp_index=0, tp_index=0, dp=sim, world=sim,
+                            tp=gloo)
+    assert shut_down(groups) == 1           # the one sim group (twice in it), not gloo's
+    with pytest.raises(SimNcclError, match="shut down"):
+        sim.allreduce([torch.ones(1)])
+    work = gloo.allreduce([torch.ones(1)])  # gloo's is untouched until dropped
+    work.wait()
+    assert shut_down(None) == 0

@@ -97,10 +97,12 @@ class DeviceManager:
         """Make the generation's NCCL communicators now, in the background, not at their first
         use, which would be inside the pause (the transfer, the commit's all-reduce, the first
         step). A communicator's setup is collective over its members, so every device makes
-        its groups in one order (by name); then, on nccl-sim, the point-to-point pairs it
-        will use: a pipeline stage's neighbours and the transition group's pairs of this
-        device's rounds (real NCCL still makes those at a pair's first message: warming them
-        up needs matched messages, left for a GPU run to verify)."""
+        its groups in one order (by name). Then the point-to-point communicators this device
+        will use (a pipeline stage's neighbours, the transition group's pairs of this device's
+        rounds): NCCL makes one per pair at the pair's first message, so each pair exchanges
+        one tiny message now (:func:`warm_up_pairs`); nccl-sim makes the pair first
+        (``connect_pair``), so that a pair made at first use is still said, then exchanges
+        the same messages, whose order its recorder checks."""
         built = sorted(self._built.pop(generation, []), key=lambda item: item[0])
         for name, group in built:
             if hasattr(group, "eager_connect"):            # nccl-sim
@@ -111,19 +113,16 @@ class DeviceManager:
                 group.eager_connect_single_device(
                     torch.device("cuda", torch.cuda.current_device()))
         for name, group in built:               # a pipeline's stages talk to neighbours
-            if name.startswith("pp/") and hasattr(group, "connect_pair"):
+            if name.startswith("pp/"):
                 r = group.rank()
-                for peer in (r - 1, r + 1):
-                    if 0 <= peer < group.size():
-                        group.connect_pair(peer)
+                warm_up_pairs(group, [p for p in (r - 1, r + 1) if 0 <= p < group.size()])
         transition = next((g for name, g in built if name == "transition"), None)
-        if transition is not None and hasattr(transition, "connect_pair"):
+        if transition is not None:
             rank = {d: i for i, d in enumerate(members)}
-            for messages in rounds:
-                for m in messages:
-                    if self.device in (m.src, m.dst):
-                        peer = m.dst if m.src == self.device else m.src
-                        transition.connect_pair(rank[peer])
+            peers = {rank[m.dst if m.src == self.device else m.src]
+                     for messages in rounds for m in messages
+                     if self.device in (m.src, m.dst) and m.src != m.dst}
+            warm_up_pairs(transition, sorted(peers))
 
     def group_factory(self, generation: int, layout: Layout) -> Callable:
         """make_group(kind, ranks) for a layout's groups in ``generation`` (ranks -> devices)."""
@@ -186,3 +185,38 @@ class DeviceManager:
         threading.Thread(target=work, name=f"dynatrain-prepare-gen{generation}",
                          daemon=True).start()
         return future
+
+
+_WARM_UP_TAG = 0x3A4D
+
+
+def warm_up_pairs(group, peers: list[int]) -> None:
+    """One 4-byte exchange with each of ``peers`` (ranks of ``group``, an NCCL or nccl-sim
+    group), so that each pair's communicator exists before the pause. Both sides of a pair
+    must call it with each other in ``peers``.
+
+    Pairs go in one global order, by (lower rank, higher rank): the lower rank sends then
+    receives, the higher receives then sends. NCCL runs each pair on its own stream, so the
+    pairs cannot block each other there; where a send blocks until its receive is posted
+    (nccl-sim, gloo underneath), the smallest pair not yet done always has both ranks at it,
+    so the exchange cannot deadlock."""
+    if not peers:
+        return
+    import torch
+
+    me = group.rank()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if not hasattr(group, "connect_pair") else torch.device("cpu"))
+    out = torch.ones(1, dtype=torch.float32, device=device)
+    works = []
+    for peer in sorted(set(peers), key=lambda p: (min(me, p), max(me, p))):
+        if hasattr(group, "connect_pair"):                 # nccl-sim: made now, not "used"
+            group.connect_pair(peer)
+        got = torch.empty(1, dtype=torch.float32, device=device)
+        send = lambda: group.send([out], peer, _WARM_UP_TAG)   # noqa: E731
+        recv = lambda: group.recv([got], peer, _WARM_UP_TAG)   # noqa: E731
+        works += [send(), recv()] if me < peer else [recv(), send()]
+    for w in works:
+        w.wait()
+    if device.type == "cuda":      # NCCL's wait only orders the stream: the host waits here
+        torch.cuda.current_stream(device).synchronize()
