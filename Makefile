@@ -83,8 +83,10 @@ bench: setup
 	$(BIN)/python benchmarks/operator_scale.py --jobs 20 --seconds 60
 
 # On a machine with an NVIDIA GPU: the CUDA paths (training, the engine's local copies and
-# adoption, pinned snapshots, DCP, a live switch under `dynatrain run`) pass or fail, and a
-# local-only switch's pause is printed against the GPU's memcpy floor. Exit 2 without CUDA.
+# adoption, one-rank NCCL groups, pinned snapshots, DCP, four processes sharing the GPU over gloo
+# that switch live and recover from one of them killed, a live switch under `dynatrain run`)
+# pass or fail, and a local-only switch's pause is printed against the GPU's memcpy floor; each
+# check's time and the total against its 10-minute budget are printed. Exit 2 without CUDA.
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py
 

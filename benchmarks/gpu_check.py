@@ -6,14 +6,23 @@ Run on a machine with a GPU (``make gpu-check``):
 
 Checks, each pass or fail (:mod:`dynatrain.bench.gpu` says what each compares): world-size-1
 training on CUDA (losses as on the CPU); the transition engine's adoption and local copies on
-CUDA tensors (``dp=1 -> dp=1,zero=1``: bit-identical state, the unswitched trainer's loss); a
-snapshot to pinned host memory and its restore, also through a recovery's switch; a DCP save
-and load; and (unless ``--skip-run``) ``dynatrain run`` of a one-GPU job that switches live.
+CUDA tensors (``dp=1 -> dp=1,zero=1``: bit-identical state, the unswitched trainer's loss; its
+commit on a one-rank NCCL group); one-rank NCCL groups made with ``device_id`` (the default
+group of a world of one, a ``new_group``, the engine's transition group) running collectives;
+a snapshot to pinned host memory and its restore, also through a recovery's switch; a DCP save
+and load; four processes sharing the GPU over gloo that switch live ``dp=4 ->
+dp=2,tp=2,zero=1`` (bit-identical to DCP's resharding, every tensor on the GPU); the same four
+recovering from one of them killed, from the in-memory snapshots (bit-identical to the unfailed
+run at the restored step); and (unless ``--skip-run``) ``dynatrain run`` of a one-GPU job that
+switches live. Each check's time is printed.
 
 Then the figure: the pause of that local-only switch on ``--model`` (best of ``--repeats``)
 against its floor, the bytes it copies at the device-to-device copy bandwidth torch reaches
 on this GPU (measured here). The pause includes what the floor does not: the commit's
 all-reduce (a fresh NCCL communicator per generation) and the trainer's rebuild.
+
+The whole run must fit in 10 minutes on one GPU (:data:`BUDGET_SECONDS`); the total is printed
+against it, and going over is said, not failed (timings are figures here, not verdicts).
 
 Exit code: 0 if every check passed, 1 if one failed, 2 if CUDA is unavailable (nothing runs).
 """
@@ -28,6 +37,26 @@ import traceback
 
 import torch
 
+BUDGET_SECONDS = 600
+"""What ``make gpu-check`` may take on one GPU, every check and the timed switches together."""
+
+
+def _detail(name: str, f: dict) -> str:
+    """A few of a check's figures for its line (all of them are in ``--json``)."""
+    if name == "engine":
+        return f"commit on {f['commit_group']}"
+    if name == "single-rank":
+        return (f"default group {f['default_backend']}, bound to {f['bound_device_id']}; "
+                f"engine's {f['engine_group']}")
+    if name == "switch4":
+        return (f"{f['switch']}: pause {f['pause_seconds'] * 1e3:.1f} ms, "
+                f"{f['bytes_copied'] / 2**20:.1f} MiB copied, "
+                f"{f['bytes_adopted'] / 2**20:.1f} MiB adopted on {', '.join(f['devices'])}")
+    if name == "recovery4":
+        return (f"{f['recovery']} without rank {f['killed']}: step {f['restore_step']} "
+                f"restored in {f['recovery_seconds'] * 1e3:.0f} ms on {', '.join(f['devices'])}")
+    return ""
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +68,7 @@ def main(argv=None) -> int:
                         help="skip the `dynatrain run` check (about half a minute)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     if not torch.cuda.is_available():
         print("gpu_check: CUDA is unavailable here (torch.cuda.is_available() is False; torch "
               f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}): run it on a "
@@ -48,7 +78,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: --cuda-device {args.cuda_device}: {torch.cuda.device_count()} GPUs "
               "are visible", file=sys.stderr)
         return 2
-    from dynatrain.bench import gpu
+    from dynatrain.bench import gpu, gpu_ranks
 
     torch.cuda.set_device(args.cuda_device)
     dev = torch.device("cuda", args.cuda_device)
@@ -58,22 +88,30 @@ def main(argv=None) -> int:
         f"{torch.__version__}, CUDA {torch.version.cuda}, NCCL "
         f"{'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
     checks = [("training", gpu.check_training), ("engine", gpu.check_switch),
-              ("snapshot", gpu.check_snapshot), ("checkpoint", gpu.check_checkpoint)]
+              ("single-rank", gpu_ranks.check_single_rank_groups),
+              ("snapshot", gpu.check_snapshot), ("checkpoint", gpu.check_checkpoint),
+              ("switch4", gpu_ranks.check_switch4), ("recovery4", gpu_ranks.check_recovery4)]
     if not args.skip_run:
         checks.append(("run", gpu.check_run))
-    out = {"device": torch.cuda.get_device_name(dev), "checks": {}, "failed": []}
+    out = {"device": torch.cuda.get_device_name(dev), "checks": {}, "failed": [],
+           "budget_seconds": BUDGET_SECONDS}
     for name, check in checks:
         t0 = time.perf_counter()
         try:
             figures = check(dev)
-            out["checks"][name] = {"ok": True, **figures}
-            say(f"  {name:<11} ok    ({time.perf_counter() - t0:.1f} s)")
+            took = time.perf_counter() - t0
+            out["checks"][name] = {"ok": True, "seconds": took, **figures}
+            detail = _detail(name, figures)
+            say(f"  {name:<11} ok    ({took:5.1f} s){'  ' + detail if detail else ''}")
         except Exception as e:  # noqa: BLE001 - every check is reported, then the exit code
-            out["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            took = time.perf_counter() - t0
+            out["checks"][name] = {"ok": False, "seconds": took,
+                                   "error": f"{type(e).__name__}: {e}"}
             out["failed"].append(name)
-            say(f"  {name:<11} FAILED: {type(e).__name__}: {e}")
+            say(f"  {name:<11} FAILED ({took:.1f} s): {type(e).__name__}: {e}")
             if not args.json:
                 traceback.print_exc()
+    t0 = time.perf_counter()
     try:
         f = gpu.switch_floor(dev, model=args.model, repeats=args.repeats)
         out["floor"] = f
@@ -94,6 +132,12 @@ def main(argv=None) -> int:
         say(f"  floor       FAILED: {type(e).__name__}: {e}")
         if not args.json:
             traceback.print_exc()
+    out["floor_check_seconds"] = time.perf_counter() - t0
+    total = out["total_seconds"] = time.perf_counter() - started
+    say(f"  (the timed switches took {out['floor_check_seconds']:.1f} s)")
+    say(f"total {total:.1f} s of the "
+        f"{BUDGET_SECONDS} s budget (make gpu-check must fit in 10 minutes on one GPU)"
+        + ("" if total <= BUDGET_SECONDS else f": OVER BUDGET by {total - BUDGET_SECONDS:.0f} s"))
     if args.json:
         print(json.dumps(out))
     else:

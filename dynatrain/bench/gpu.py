@@ -5,25 +5,51 @@ memory-copy floor: what ``benchmarks/gpu_check.py`` (``make gpu-check``) runs on
 Every check takes the torch device to run on and returns its figures as a dict, or raises
 :class:`CheckFailed` saying what differs. On ``cuda`` they are the real thing; the same code
 also runs on ``cpu`` (tests/gpu does that on every machine, so the checks cannot rot where no
-GPU is), where only the pinned-memory expectation differs.
+GPU is), where only the pinned-memory expectation and the backend of one-rank groups (gloo for
+NCCL) differ.
 
 - :func:`check_training`: a world-size-1 trainer on the device; every local tensor lives
   there, and its losses match the same steps on the CPU (within 1e-3: other kernels).
 - :func:`check_switch`: ``dp=1 -> dp=1,zero=1`` on the one device, the real engine
   (:func:`dynatrain.trainer.switch.switch`) over a one-rank group of the device's backend
-  (NCCL on CUDA): tensors that keep their pieces are adopted (the same storage), ZeRO's flat
-  ones are copied locally, nothing travels. The full state is bit-identical before and after,
-  the new tensors are on the device, the next loss is the unswitched trainer's.
+  (NCCL on CUDA: ``commit_group`` in its figures names it): tensors that keep their pieces are
+  adopted (the same storage), ZeRO's flat ones are copied locally, nothing travels. The full
+  state is bit-identical before and after, the new tensors are on the device, the next loss is
+  the unswitched trainer's.
 - :func:`check_snapshot`: the redundancy's snapshot (pinned host memory when CUDA is there),
   restored bit for bit; a trainer built from it continues with the same loss; and a switch
   that starts from the restored snapshot (a recovery's path) puts its state on the device.
 - :func:`check_checkpoint`: a DCP checkpoint saved from the device and loaded back onto it.
 - :func:`check_run`: the whole worker path, ``dynatrain run`` of a one-GPU job (NCCL through
   ``--backend auto``) that switches live to ``dp=1,zero=1`` mid-run.
+- :func:`~.gpu_ranks.check_switch4`: four processes share the device, their groups gloo's (NCCL refuses
+  two ranks of a communicator on one GPU), and switch live ``dp=4 -> dp=2,tp=2,zero=1``
+  (:data:`~.gpu_ranks.SWITCH4`): every rank's state lives on the device before and after, the switched
+  state is bit-identical to DCP's resharding of the state saved just before the switch, and
+  the next losses are a restart's from that checkpoint.
+- :func:`~.gpu_ranks.check_recovery4`: the same four processes train ``dp=4`` with the in-memory
+  redundancy (own snapshots every step, pinned under CUDA); one is killed (SIGKILL); the
+  survivors agree on the step to restore from their holdings, restore their snapshots onto
+  the device and switch to ``dp=3,zero=1`` (:data:`~.gpu_ranks.RECOVERY4`) on themselves. The recovered
+  state is on the device and bit-identical to the unfailed run's at the restored step (DCP,
+  saved by all four at that step), and training continues as a restart would. With
+  ``dp=4,zero=1 -> dp=3,zero=1`` (:data:`~.gpu_ranks.RECOVERY4_MIRRORED`, CPU only: see below) the dead
+  rank's unique ZeRO shard comes from its buddy's mirror.
+- :func:`~.gpu_ranks.check_single_rank_groups`: one-rank groups of the device's backend in a process of
+  their own: ``init_process_group`` of a world of one with ``device_id`` (bound to the
+  device; NCCL's communicator made eagerly), a one-rank ``new_group`` with ``device_id``, and
+  the engine's transition group as :class:`~dynatrain.vps.generations.DeviceManager` makes it;
+  collectives on device tensors on each, and the commit's all-reduce on the engine's.
 - :func:`memcpy_bandwidth` and :func:`switch_floor`: the pause of the switch above against
   ``bytes copied / device-to-device copy bandwidth``, both measured here. On a GPU the engine's
   own phase timings stop when the copies are queued; the pause ends at the commit's
   all-reduce, which waits for them, so the pause is the honest figure.
+
+Gloo carries CUDA tensors in its all-reduce and broadcast only, not in send/recv (torch's
+backend table): so the four-process checks use layouts whose steps only all-reduce (no
+pipeline stages) and switches whose moves all stay on their device, and refuse by name a plan
+that would send CUDA tensors through gloo; the engine's network rounds under CUDA are NCCL's,
+which needs a GPU per rank.
 """
 
 from __future__ import annotations
@@ -47,7 +73,8 @@ from dynatrain.controller.job import load_job
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.config import make_config
 from dynatrain.trainer.groups import build_groups
-from dynatrain.trainer.redundancy import Redundancy
+from dynatrain.trainer.hostbuffers import HostBuffers
+from dynatrain.trainer.redundancy import Redundancy, slot_sizes
 from dynatrain.trainer.state import assemble_full
 from dynatrain.trainer.switch import switch
 from dynatrain.trainer.trainer import LocalState, Trainer
@@ -102,7 +129,16 @@ def _same(a: LocalState, b: LocalState, what: str, model=None) -> None:
                               f"vs {tuple(u.shape)} {u.dtype})")
 
 
+def _canonical(dev: torch.device) -> torch.device:
+    """``dev`` with its index: ``cuda`` is the current CUDA device (tensors report their
+    index; ``torch.device("cuda") != torch.device("cuda", 0)``)."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _on(state: LocalState, dev: torch.device, what: str) -> None:
+    dev = _canonical(dev)
     wrong = [k for k, (t, _) in state.tensors.items() if t.device != dev]
     if wrong:
         raise CheckFailed(f"{what}: {len(wrong)} local tensors are not on {dev}, e.g. "
@@ -177,6 +213,12 @@ def check_switch(dev: torch.device, *, model: str = "gpt-tiny", seq_len: int = 3
     before = _clone(t.local_state())
     ptrs = {k: v.data_ptr() for k, (v, _) in t.local_state().tensors.items()}
     prepared = world.prepare(old_cfg, new_cfg)
+    # The commit's all-reduce runs on this group: on CUDA a one-rank NCCL group.
+    g = prepared.transition_group
+    commit_group = f"{type(g).__name__} of {g.size()} rank(s)"
+    if g.size() != 1 or (dev.type == "cuda" and not isinstance(g, dist.ProcessGroupNCCL)):
+        raise CheckFailed(f"the one-device switch's commit group is {commit_group}, not a "
+                          f"one-rank {backend_of(dev)} group")
     _sync(dev)
     res = world.switch([t], prepared, new_cfg)
     del t
@@ -206,9 +248,9 @@ def check_switch(dev: torch.device, *, model: str = "gpt-tiny", seq_len: int = 3
     for i in (1, 2):
         _close(got[i], want[i], 1e-4, f"loss {i + 1} after the switch on {dev}")
     return {"pause_seconds": res.pause_seconds, "phases": dict(res.phases),
-            "bytes_copied": s.bytes_copied, "bytes_adopted": s.bytes_adopted,
-            "bytes_allocated": s.bytes_allocated, "losses_after": got,
-            "losses_unswitched": want}
+            "commit_group": commit_group, "bytes_copied": s.bytes_copied,
+            "bytes_adopted": s.bytes_adopted, "bytes_allocated": s.bytes_allocated,
+            "losses_after": got, "losses_unswitched": want}
 
 
 def check_snapshot(dev: torch.device, *, model: str = "gpt-tiny", seq_len: int = 32,
@@ -218,15 +260,23 @@ def check_snapshot(dev: torch.device, *, model: str = "gpt-tiny", seq_len: int =
     cfg, new_cfg = _config(model, OLD, seq_len), _config(model, NEW, seq_len)
     t = _trainer(cfg, dev)
     t.train_step()
-    r = Redundancy(bind(cfg.layout.with_devices([0]), cfg.model), 0, None, mirror=False)
+    bound = bind(cfg.layout.with_devices([0]), cfg.model)
+    # The worker's pool: exact-size buffers, page-locked with cudaHostRegister under CUDA.
+    pool = HostBuffers(pin=dev.type == "cuda")
+    pool.reserve([slot_sizes(bound, 0, mirror=False).snapshot] * 2)       # as Prepare does
+    r = Redundancy(bound, 0, None, mirror=False, buffers=pool)
     t0 = time.perf_counter()
-    r.snapshot(t.local_state())
+    r.snapshot(t.local_state())             # copies on a side stream under CUDA
     snapshot_s = time.perf_counter() - t0
-    # Device-to-host copies want page-locked buffers; the redundancy pins them when CUDA is
-    # there (its slots are private: this is the one place that looks).
+    # Device-to-host copies want page-locked buffers (its slots are private: this is the one
+    # place that looks).
     pinned = all(s.buf.is_pinned() for s in r._slots)
     if dev.type == "cuda" and not pinned:
         raise CheckFailed("the redundancy's snapshot buffers are not pinned under CUDA")
+    exact = slot_sizes(bound, 0, mirror=False).snapshot
+    if any(s.buf.numel() != exact for s in r._slots):
+        raise CheckFailed(f"snapshot slots of {[s.buf.numel() for s in r._slots]} bytes, not "
+                          f"the {exact} the state needs")
     before = _clone(t.local_state())
     restored = r.restore(t.step)
     _same(before, restored, f"the snapshot of step {t.step} restored")
@@ -242,7 +292,18 @@ def check_snapshot(dev: torch.device, *, model: str = "gpt-tiny", seq_len: int =
           cfg.model)
     held = r.memory_bytes()
     r.close()
-    return {"pinned": pinned, "snapshot_seconds": snapshot_s, "snapshot_bytes": held}
+    # The next generation takes the same buffers: nothing is pinned again; a trim unpins.
+    made = pool.stats.allocated
+    again = Redundancy(bound, 0, None, mirror=False, buffers=pool)
+    if pool.stats.allocated != made:
+        raise CheckFailed("a second generation of the same size pinned buffers of its own")
+    again.snapshot(t.local_state())
+    _same(_clone(t.local_state()), again.restore(t.step), "a snapshot in reused buffers")
+    again.close()
+    unpinned = pool.trim()
+    return {"pinned": pinned, "snapshot_seconds": snapshot_s, "snapshot_bytes": held,
+            "pin_seconds": pool.stats.pin_seconds, "buffers_made": made,
+            "unpinned_bytes": unpinned}
 
 
 def check_checkpoint(dev: torch.device, *, model: str = "gpt-tiny", seq_len: int = 32) -> dict:

@@ -80,18 +80,22 @@ class HostBuffers:
         self._lock = threading.Lock()
         self.stats = PoolStats()
 
-    # -- internals (lock held) -------------------------------------------------------------
-    def _make(self, nbytes: int) -> _Block:
+    # -- internals --------------------------------------------------------------------------
+    def _new(self, nbytes: int, *, reserved: bool = False) -> tuple[_Block, float]:
+        """A new buffer, pinned when pinning (lock not needed: seconds at 7B, so never under
+        it, or the training thread's give/take would wait for it)."""
         t0 = time.perf_counter()
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if self.pin and nbytes:
             _register(buf)
-        self.stats.pin_seconds += time.perf_counter() - t0
+        return _Block(buf, reserved=reserved), time.perf_counter() - t0
+
+    def _add(self, block: _Block, seconds: float) -> None:
+        """Count ``block`` in (lock held)."""
+        self.stats.pin_seconds += seconds
         self.stats.allocated += 1
-        self.stats.sizes.append(nbytes)
-        block = _Block(buf)
+        self.stats.sizes.append(block.buf.numel())
         self._blocks.append(block)
-        return block
 
     def _fit(self, nbytes: int, exclude=()) -> _Block | None:
         """The smallest free buffer that holds ``nbytes``, not counting ``exclude``."""
@@ -108,12 +112,15 @@ class HostBuffers:
             return torch.empty(0, dtype=torch.uint8)
         with self._lock:
             block = self._fit(nbytes)
-            if block is None:
-                block = self._make(nbytes)
-            else:
+            if block is not None:
                 self.stats.reused += 1
-            block.free, block.reserved = False, False
-            return block.buf[:nbytes]
+                block.free, block.reserved = False, False
+                return block.buf[:nbytes]
+        block, seconds = self._new(nbytes)          # nothing fits: made here, in the pause
+        block.free = False
+        with self._lock:
+            self._add(block, seconds)
+        return block.buf[:nbytes]
 
     def _block_of(self, buf: torch.Tensor) -> _Block:
         ptr = buf.data_ptr()
@@ -144,7 +151,7 @@ class HostBuffers:
         the slots the new generation will take. They are kept from :meth:`trim` until taken;
         a later reserve (the next Prepare, when this one was aborted) replaces the
         reservation. Returns the bytes made."""
-        made = 0
+        missing = []
         with self._lock:
             for b in self._blocks:
                 b.reserved = False
@@ -152,12 +159,16 @@ class HostBuffers:
             for n in sorted((n for n in sizes if n > 0), reverse=True):
                 b = self._fit(n, exclude=chosen)
                 if b is None:
-                    b = self._make(n)
-                    made += n
-                chosen.append(b)
+                    missing.append(n)
+                else:
+                    chosen.append(b)
             for b in chosen:
                 b.reserved = True
-        return made
+        made = [self._new(n, reserved=True) for n in missing]    # pinned outside the lock
+        with self._lock:
+            for block, seconds in made:
+                self._add(block, seconds)
+        return sum(missing)
 
     def trim(self, keep=()) -> int:
         """Return to the system every free buffer not needed for ``keep`` (sizes a coming
