@@ -9,6 +9,8 @@ on one side only. Prints one JSON object: median step time without and with, the
 percent, the snapshot's own time, and each rank's held bytes against its state bytes. Run:
 
     .venv/bin/python benchmarks/redundancy_cost.py --model gpt-tiny --layout dp=2,zero=1 --steps 20
+
+``--snapshot-every K`` snapshots every K-th step, as ``spec.recovery.snapshotEverySteps`` does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dynatrain.vps.generations import DeviceManager
 from dynatrain.vps.layout import bind
 
 
-def _worker(rank, world, port, cfg, steps, block, per_node, results, watchdog_s):
+def _worker(rank, world, port, cfg, steps, block, per_node, results, watchdog_s, every):
     # A hang (a lost peer, a deadlock) dumps every thread's stack and exits, never stalls.
     faulthandler.dump_traceback_later(watchdog_s, exit=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -56,6 +58,7 @@ def _worker(rank, world, port, cfg, steps, block, per_node, results, watchdog_s)
     red.wait_mirror()
 
     plain, mirrored, snap, waits = [], [], [], []
+    taken = 0
     while len(plain) < steps or len(mirrored) < steps:
         for _ in range(block):                     # without
             t0 = time.perf_counter()
@@ -72,7 +75,9 @@ def _worker(rank, world, port, cfg, steps, block, per_node, results, watchdog_s)
             t0 = time.perf_counter()
             trainer.train_step(before_report=before_report)
             t1 = time.perf_counter()
-            red.snapshot(trainer.local_state())
+            if taken % every == 0:                 # spec.recovery.snapshotEverySteps
+                red.snapshot(trainer.local_state())
+            taken += 1
             t2 = time.perf_counter()
             mirrored.append(t2 - t0)
             waits.append(waited[0])
@@ -97,11 +102,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=0, help="0: the config's default")
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="snapshot every K steps (spec.recovery.snapshotEverySteps)")
     parser.add_argument("--watchdog", type=float, default=300,
                         help="seconds after which a worker dumps its stacks and exits")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.block < 1:
-        parser.error(f"--steps={args.steps} and --block={args.block} must be positive")
+    if args.steps < 1 or args.block < 1 or args.snapshot_every < 1:
+        parser.error(f"--steps={args.steps}, --block={args.block} and --snapshot-every="
+                     f"{args.snapshot_every} must be positive")
     cfg = make_config(args.model, args.layout, seq_len=args.seq_len,
                       global_batch_size=args.global_batch_size)
     world = cfg.layout.world
@@ -110,7 +118,8 @@ def main(argv=None) -> int:
     results = mp.get_context("spawn").Queue()
     t0 = time.perf_counter()
     procs = mp.start_processes(_worker, args=(world, store.port, cfg, args.steps, args.block,
-                                              args.ranks_per_node, results, args.watchdog),
+                                              args.ranks_per_node, results, args.watchdog,
+                                              args.snapshot_every),
                                nprocs=world, join=False, start_method="spawn")
     reports = sorted((results.get(timeout=args.watchdog + 60) for _ in range(world)),
                      key=lambda r: r["rank"])
@@ -125,11 +134,14 @@ def main(argv=None) -> int:
     out = {
         "model": args.model, "layout": cfg.layout.to_text(), "world": world,
         "steps_per_mode": args.steps, "seq_len": cfg.seq_len,
+        "snapshot_every": args.snapshot_every,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // world),
         "step_ms_without": ms(plain), "step_ms_with": ms(mirrored),
         "overhead_percent": round(100 * (statistics.median(mirrored)
                                          / statistics.median(plain) - 1), 2),
         "snapshot_ms": ms([x for r in reports for x in r["snapshot"]]),
+        "snapshot_ms_mean": round(1e3 * statistics.mean(
+            [x for r in reports for x in r["snapshot"]]), 2),
         # The synchronous part alone, relative to a plain step: less noisy than the overhead
         # when other jobs share the machine (the exchange itself runs on gloo's threads).
         "snapshot_percent_of_step": round(100 * statistics.median(
