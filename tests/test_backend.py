@@ -65,6 +65,7 @@ def test_bench_auto_picks_gloo_without_enough_gpus(no_cuda):
     assert b.bench_backend("auto", 2) == "gloo"
     with pytest.raises(b.BackendError, match="torch.cuda.is_available\\(\\) is False"):
         b.bench_backend("nccl", 2)
+    assert b.bench_backend("nccl-sim", 4) == "nccl-sim"        # the CPU, NCCL's semantics
 
 
 def test_which_gpu():

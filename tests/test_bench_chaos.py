@@ -82,3 +82,38 @@ def test_restored_states_are_compared_bit_for_bit(tmp_path, monkeypatch):
     bc._check_states(results, specs, tmp_path, 60, lambda *_: None)
     assert results[0].outcome == "recovered", results[0].message
     assert results[1].outcome == "corrupted" and "1 tensors differ" in results[1].message
+
+
+def test_two_runs_split_one_plan():
+    # `--first-trial`: CI runs trials 0-5 on gloo and 6-9 on nccl-sim, together the ten trials
+    # of one plan (every kind under nccl-sim, the buddy pair included).
+    whole = bc.plan_trials(10, seed=0, steps=16)
+    assert bc.plan_trials(6, seed=0, steps=16) + bc.plan_trials(4, seed=0, steps=16,
+                                                                 first=6) == whole
+    rest = bc.plan_trials(4, seed=0, steps=16, first=6)
+    assert [t.index for t in rest] == [6, 7, 8, 9]
+    assert {t.kind for t in rest} == set(bc.KINDS)
+    assert any(len(t.victims) == 2 for t in rest)
+
+
+def test_workers_lost_to_the_nccl_watchdog_are_counted_from_their_logs(tmp_path):
+    # What dynatrain.vps.ncclsim prints: before it takes a process down (TORCH_NCCL_ASYNC_
+    # ERROR_HANDLING 1 or 3), and in the error of an op whose communicator it aborted (2),
+    # which the worker prints when its generation is interrupted.
+    (tmp_path / "worker-0.log").write_text("device 0: step 3\n")
+    (tmp_path / "worker-1.log").write_text(
+        "[nccl-sim watchdog] allreduce on group gen1/dp/0-1 (rank 1 of 2) ran 60.1 s, past its "
+        "timeout of 60 s; TORCH_NCCL_ASYNC_ERROR_HANDLING=3: taking the process down\n")
+    (tmp_path / "worker-2.log").write_text(
+        "device 2: generation 1 interrupted: allreduce: the watchdog aborted the communicator: "
+        "allreduce passed its timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=2)\n")
+    (tmp_path / "worker-3.log").write_text(
+        "device 3: generation 1 interrupted: allreduce: the communicator was aborted "
+        "(ncclCommAbort)\n")                         # the recovery's own abort: not counted
+    assert bc.watchdog_victims(tmp_path) == ([1], [2])
+    assert bc.watchdog_victims(tmp_path / "missing") == ([], [])
+    import inspect
+
+    from dynatrain.vps import ncclsim
+    watch = inspect.getsource(ncclsim._watch)            # the strings are the watchdog's own
+    assert bc.WATCHDOG_KILL in watch and bc.WATCHDOG_ABORT in watch

@@ -19,6 +19,13 @@ differs. MTTR is the time from the kill to the end of the first step after the r
 
 For comparison, ``--restart-trials`` trials recover the old way: every worker stops and fresh
 ones load the newest checkpoint (one per step, the best case for a restart).
+
+Under ``--backend nccl-sim`` every trial also counts the workers that the simulated
+ProcessGroupNCCL watchdog took down (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1 or 3: an op past
+its timeout aborts the process) or whose communicator it aborted (2, CleanUpOnly): after a kill
+a survivor must be freed by the recovery's abort of the failed generation, not by its op timing
+out (``watchdog_kills``, ``watchdog_aborts``; from the workers' logs). ``--first-trial N`` runs
+trials N.. of the seeded plan, so that two runs (on two backends, say) split one plan.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ SWITCH_TO = {"dp=4": "dp=2,tp=2", "dp=2,pp=2": "dp=4", "dp=2,tp=2,zero=1": "tp=2
              "tp=2,pp=2": "dp=2,pp=2", "dp=4,zero=1": "dp=2,pp=2"}
 """The switch in flight when a ``prepare`` or ``transfer`` kill lands."""
 KINDS = ("step", "prepare", "transfer")
+WATCHDOG_KILL = "[nccl-sim watchdog]"
+"""What :mod:`dynatrain.vps.ncclsim`'s watchdog prints before it takes a process down."""
+WATCHDOG_ABORT = "the watchdog aborted the communicator"
+"""The error of an op whose communicator the watchdog aborted (CleanUpOnly); the worker prints
+it when its generation is interrupted."""
 
 
 @dataclass
@@ -85,6 +97,27 @@ class TrialResult:
     new_layout: str = ""
     steps: int = 0
     seconds: float = 0.0
+    watchdog_killed: list[int] = field(default_factory=list)
+    """Devices the (simulated) NCCL watchdog took down in this trial; always empty on gloo."""
+    watchdog_aborted: list[int] = field(default_factory=list)
+    """Devices whose communicator the watchdog aborted (an op of theirs passed its timeout)."""
+
+
+def watchdog_victims(run_dir: Path) -> tuple[list[int], list[int]]:
+    """(devices taken down, devices whose communicator was aborted) by the nccl-sim watchdog,
+    from the workers' logs in ``run_dir`` (``worker-<device>.log``)."""
+    killed, aborted = [], []
+    for log in sorted(Path(run_dir).glob("worker-*.log")):
+        try:
+            device = int(log.stem.split("-", 1)[1])
+            text = log.read_text(errors="replace")
+        except (ValueError, OSError):
+            continue
+        if WATCHDOG_KILL in text:
+            killed.append(device)
+        if WATCHDOG_ABORT in text:
+            aborted.append(device)
+    return sorted(killed), sorted(aborted)
 
 
 def _manifest(spec: TrialSpec) -> dict:
@@ -167,15 +200,17 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 # -- the bench ----------------------------------------------------------------------------------
-def plan_trials(n: int, seed: int, steps: int) -> list[TrialSpec]:
+def plan_trials(n: int, seed: int, steps: int, first: int = 0) -> list[TrialSpec]:
     """A reproducible mix: every kind and layout, kills between the first checkpoint and a few
-    steps before the end; every fifth step-kill takes a worker and its buddy together."""
+    steps before the end; every fifth step-kill takes a worker and its buddy together.
+    ``first``: trials ``first .. first+n-1`` of the plan (the first ``first`` left out), so
+    two runs can split one plan."""
     from dynatrain.trainer.redundancy import buddy_map
     from dynatrain.vps.layout import parse_layout
 
     rng = random.Random(seed)
     trials = []
-    for i in range(n):
+    for i in range(first + n):
         kind = KINDS[i % len(KINDS)]
         layout = LAYOUTS[(i // len(KINDS)) % len(LAYOUTS)]
         victim = rng.randrange(4)
@@ -185,7 +220,7 @@ def plan_trials(n: int, seed: int, steps: int) -> list[TrialSpec]:
             victims.append(buddy_map(lay)[victim])
         trials.append(TrialSpec(i, kind, layout, sorted(set(victims)),
                                 at_step=rng.randrange(3, steps - 5), steps=steps))
-    return trials
+    return trials[first:]
 
 
 def _spawn_trial(spec: TrialSpec, root: Path, timeout_s: float, *, keep: bool = False
@@ -303,12 +338,12 @@ def _check_states(results: list[TrialResult], specs: list[TrialSpec], root: Path
 
 def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: int = 3,
                 timeout_s: float = 240.0, keep: str | None = None, say=print,
-                backend: str = "gloo") -> dict:
+                backend: str = "gloo", first: int = 0) -> dict:
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dynatrain-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    specs = [replace(s, backend=backend) for s in plan_trials(trials, seed, steps)]
+    specs = [replace(s, backend=backend) for s in plan_trials(trials, seed, steps, first)]
     rng = random.Random(seed + 1)
-    specs += [TrialSpec(trials + i, "restart", "dp=2,pp=2", [rng.randrange(4)],
+    specs += [TrialSpec(first + trials + i, "restart", "dp=2,pp=2", [rng.randrange(4)],
                         at_step=rng.randrange(3, steps - 5), steps=steps, checkpoint_every=1)
               for i in range(restart_trials)]
     results = []
@@ -316,12 +351,16 @@ def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: 
     for spec in specs:
         raw, seconds = _spawn_trial(spec, root, timeout_s, keep=bool(keep))
         r = _judge(spec, raw, seconds, root)
+        r.watchdog_killed, r.watchdog_aborted = watchdog_victims(
+            root / f"trial-{spec.index}-{spec.kind}" / "run")
         results.append(r)
         say(f"trial {spec.index:>3} {spec.kind:<8} {spec.layout:<17} kill {spec.victims} at "
             f"step {spec.at_step:>2}: {r.outcome}"
             + (f", restored step {r.restored_step} ({r.restored_from}) -> {r.new_layout}"
                if r.restored_step is not None else "")
             + (f", MTTR {r.mttr_seconds:.2f} s" if r.mttr_seconds is not None else "")
+            + (f", watchdog took down {r.watchdog_killed}" if r.watchdog_killed else "")
+            + (f", watchdog aborted {r.watchdog_aborted}" if r.watchdog_aborted else "")
             + (f"  [{r.message.splitlines()[0][:160]}]" if r.message else ""))
     _check_states(results, specs, root, timeout_s, say)
     chaos = [r for r in results if r.kind != "restart"]
@@ -342,6 +381,10 @@ def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: 
            "mttr_seconds_median": statistics.median(mttr) if mttr else None,
            "mttr_memory_seconds_median": statistics.median(from_memory) if from_memory else None,
            "restart_mttr_seconds": statistics.median(restart) if restart else None,
+           # Every trial's, restarts included: workers lost to the NCCL watchdog (nccl-sim).
+           "watchdog_kills": sum(len(r.watchdog_killed) for r in results),
+           "watchdog_aborts": sum(len(r.watchdog_aborted) for r in results),
+           "backend": backend,
            "wall_seconds": time.monotonic() - t0,
            "results": [asdict(r) for r in results]}
     if out["mttr_memory_seconds_median"] and out["restart_mttr_seconds"]:

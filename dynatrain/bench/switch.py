@@ -53,9 +53,11 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
                  baseline: bool = True, dump: str | None = None, timeout_s: float = 600.0,
                  steps_before: int = STEPS_BEFORE, steps_after: int = STEPS_AFTER,
                  progress=None, restart_fresh: bool = True, backend: str = "gloo") -> dict:
-    """``backend``: gloo (every rank on the CPU) or nccl (rank i on ``cuda:i``; the CLI's
-    ``--backend`` resolves auto and checks that CUDA is there). Under NCCL the memory figures
-    are torch's CUDA allocations (``memory: "cuda"``), not the host's RSS."""
+    """``backend``: gloo (every rank on the CPU), nccl (rank i on ``cuda:i``; the CLI's
+    ``--backend`` resolves auto and checks that CUDA is there) or nccl-sim (the live run's
+    groups with ProcessGroupNCCL's semantics on the CPU, :mod:`dynatrain.vps.ncclsim`; the
+    restart baseline on gloo). Under NCCL the memory figures are torch's CUDA allocations
+    (``memory: "cuda"``), not the host's RSS."""
 
     import torch.distributed as dist
 

@@ -6,6 +6,9 @@ arrived against DCP's resharding of the saved state. :func:`restart_worker` is o
 the checkpoint-and-restart baseline. Both report through a multiprocessing queue. Both run on
 the CPU under gloo, or under NCCL with rank ``i`` on ``cuda:i``; on a GPU every timed probe
 waits for the device (:func:`_sync`), and memory is measured as torch's CUDA allocations.
+Under ``nccl-sim`` (:mod:`dynatrain.vps.ncclsim`) the live run's training, transition and
+probe groups have ProcessGroupNCCL's semantics on the CPU, as a worker's do; the default group
+(barriers, DCP's checkpoint) and the restart baseline stay on gloo.
 """
 
 from __future__ import annotations
@@ -13,6 +16,13 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+
+
+def _default_backend(backend: str) -> str:
+    """The default process group's backend: nccl-sim is no registered torch backend (its
+    groups are made by :class:`~dynatrain.vps.generations.DeviceManager`); gloo then, as a
+    worker's mirrors travel on gloo beside NCCL."""
+    return "gloo" if backend == "nccl-sim" else backend
 
 
 def _rss() -> tuple[int, int]:
@@ -155,8 +165,8 @@ def live_worker(device, world, port, old_cfg, new_cfg, new_layout, engine, ckpt,
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     dev = torch_device(backend, device)               # and the current CUDA device, for NCCL
-    dist.init_process_group(backend, store=dist.PrefixStore("default", store), rank=device,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(_default_backend(backend), store=dist.PrefixStore("default", store),
+                            rank=device, world_size=world, timeout=timeout)
     model = old_cfg.model
     n_old = old_cfg.layout.world
     old_layout = old_cfg.layout.with_devices(range(n_old))
@@ -265,8 +275,8 @@ def restart_worker(rank, world, port, new_cfg, new_layout, ckpt, threads, result
 
     torch.set_num_threads(threads)
     dev = torch_device(backend, rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(_default_backend(backend), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     bound = bind(new_layout, new_cfg.model)
     groups = build_groups(bound, rank)
     state = load_state(bound, rank, ckpt, device=dev)
