@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -38,6 +37,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from dynatrain.ports import free_port as _free_port
 
 INSTALL_HINT = "run tools/install-prometheus.sh (installs Debian's 'prometheus' package)"
 
@@ -64,13 +64,6 @@ def require_prometheus() -> str:
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
     return path
-
-
-def _free_port() -> int:
-    # The port is free now but could be taken before Prometheus binds it; start() retries.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrometheusServer:

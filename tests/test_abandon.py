@@ -2,7 +2,6 @@
 
 import os
 import queue
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -13,14 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dynatrain.vps import abandon
+from dynatrain.ports import free_port as _free_port
 
 GROUP_TIMEOUT_S = 60       # far longer than the test waits: only the notice can end the waits
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, op: str, results) -> None:

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dynatrain.ports import free_port as _port
 
 RANKS = Path(__file__).with_name("ncclsim_ranks.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(name: str, world: int = 2, env: dict | None = None, timeout: float = 60):

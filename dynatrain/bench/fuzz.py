@@ -51,7 +51,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -71,6 +70,7 @@ from dynatrain.agent.auth import bearer_metadata
 from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.server import ANSWER_CODES
 from dynatrain.agent.v1 import agent_pb2
+from dynatrain.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "/dynatrain.agent.v1.Agent/"
@@ -630,12 +630,6 @@ def job_manifest(steps: int = 100000) -> dict:
     doc["spec"]["training"]["steps"] = steps
     doc["spec"]["globalBatchSize"] = 4
     return doc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_worker(workdir: Path, job: Path, token: Path, device: int, timeout_s: float = 120,

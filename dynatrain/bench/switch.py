@@ -62,7 +62,7 @@ def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums:
     import torch.distributed as dist
 
     from dynatrain.trainer import processes
-    from dynatrain.trainer.launch import free_port
+    from dynatrain.ports import free_port
     from dynatrain.vps.placement import place_devices
     from dynatrain.vps.planner import plan_switch
     from dynatrain.vps.stats import device_traffic, plan_stats

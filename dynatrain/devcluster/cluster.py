@@ -56,7 +56,9 @@ from .kubeconfig import build_kubeconfig, build_token_kubeconfig, write_kubeconf
 from .kubelet import RealNode, RealNodeConfig
 from .nodes import KWOK_ANNOTATION, NodePool, add_nodes, node_is_ready
 from .pods import storage_class_manifest
-from .processes import Component, free_port, wait_until
+from dynatrain.ports import free_port
+
+from .processes import Component, wait_until
 
 STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
 

@@ -48,7 +48,9 @@ import yaml
 from .certs import CertPair
 from .errors import DevClusterError
 from .gobuild import TOOLS
-from .processes import Component, check_output, free_port, wait_until
+from dynatrain.ports import free_port
+
+from .processes import Component, check_output, wait_until
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 CNI_PLUGINS = ("bridge", "host-local", "loopback")

@@ -16,7 +16,6 @@ import datetime
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,18 +27,6 @@ from .errors import DevClusterError
 
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now.
-
-    The port is released before the component binds it; another process
-    could grab it in between, which on a test machine is rare enough that a
-    clear "address in use" in the component's log is the right answer.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

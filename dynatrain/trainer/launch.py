@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dynatrain.vps.layout import bind
+from dynatrain.ports import free_port
 
 from . import processes
 from .config import TrainConfig, make_config
@@ -70,12 +70,6 @@ def pick_backend(requested: str, world: int) -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() >= world:
         return "nccl"
     return "gloo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(backend: str, local_rank: int) -> torch.device:

@@ -43,6 +43,7 @@ from dynatrain.agent.server import (ANSWER_CODES, DEFAULT_COMMIT_TIMEOUT_S,
                                     check_rendezvous_owner, peer_host, serve)
 from dynatrain.agent.v1 import agent_pb2
 from dynatrain.bench.fuzz import spawn_worker
+from dynatrain.ports import free_port as _free_port
 
 from test_worker_live import _wait_steps
 
@@ -204,12 +205,6 @@ def token_file(tmp_path):
     path = tmp_path / "token"
     path.write_text(TOKEN)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _code(call) -> tuple[grpc.StatusCode, str]:

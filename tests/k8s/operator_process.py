@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from chart_rbac import RELEASE_NAMESPACE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dynatrain.ports import free_port
 
 
 def wait(what: str, fn, timeout: float = 90.0, interval: float = 0.3):
