@@ -136,8 +136,9 @@ def warm_up_mesh(rank, world, port):
     t = torch.full((2,), float(rank))
     (pg.send([t], peer, 7) if rank < peer else pg.recv([t], peer, 7)).wait()
     ncclsim.synchronize()
-    store.set(f"done-{rank}", "1")          # the store's host (rank 0) leaves last
-    store.wait([f"done-{r}" for r in range(world)])
+    store.set(f"done-{rank}", "1")
+    if rank == 0:                           # the store's host leaves last
+        store.wait([f"done-{r}" for r in range(world)])
     return {"mismatch": None, "seconds": seconds, "made": made,
             "made_after": ncclsim.SETUP["count"], "got": t.tolist()}
 
