@@ -33,8 +33,14 @@ class PinError(RuntimeError):
     """CUDA refused to page-lock a host buffer."""
 
 
+_PORTABLE = 1
+"""``cudaHostRegisterPortable``: pinned for every CUDA context, not only the calling thread's
+current device's (Prepare pins from an agent thread, whose current device may not be the
+worker's)."""
+
+
 def _register(t: torch.Tensor) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0))
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), _PORTABLE))
     if rc != 0:
         raise PinError(f"cudaHostRegister of {t.numel():,} bytes failed (cudaError {rc}); "
                        "the node may be out of lockable memory (ulimit -l, or the pod's "

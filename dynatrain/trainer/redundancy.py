@@ -372,7 +372,8 @@ class Redundancy:
         elif self.buddy is not None or mslot is not None:
             # The send may leave only once the copies are whole: wait for their event off the
             # training thread (a recv is posted by the same thread, after it: one order).
-            self._poster = threading.Thread(target=self._post_when_copied, args=(slot, mslot),
+            self._poster = threading.Thread(target=self._post_when_copied,
+                                            args=(slot.copied, slot, mslot),
                                             name=f"mirror-post-{state.step}", daemon=True)
             self._poster.start()
 
@@ -419,10 +420,12 @@ class Redundancy:
         if mslot is not None:
             mslot.work = self.group.recv([mslot.buf], self.source, _TAG)
 
-    def _post_when_copied(self, slot: _Slot, mslot: _Slot | None) -> None:
+    def _post_when_copied(self, copied, slot: _Slot, mslot: _Slot | None) -> None:
+        # ``copied`` is passed, not read from the slot: the training thread may settle (and
+        # clear) the slot's event meanwhile (drop, restore).
         try:
-            if slot.copied is not None:
-                slot.copied.synchronize()
+            if copied is not None:
+                copied.synchronize()
             self._post(slot, mslot)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread
             self._post_error = e
