@@ -160,6 +160,25 @@ def _run_ranks(body, world: int, dev: torch.device, kw: dict, *, what: str,
     return reports
 
 
+def _as_dcp_then_a_restart(res, prepared, new_cfg, new_bound, checkpoint: str,
+                           dev: torch.device, steps_after: int, what: str, who: str
+                           ) -> tuple[list, list]:
+    """The switched (or recovered) trainer's state equals DCP's load of ``checkpoint`` under
+    the new layout, RNG included; training goes on from it as from a restart of that
+    checkpoint (same new groups, one trainer after the other), on the device. Returns the
+    losses (switched, restarted)."""
+    ref = load_state(new_bound, prepared.new_rank, checkpoint, device=dev)
+    after = res.trainer.local_state()
+    _same(ref, after, what)
+    _same_rng(ref, after, what)
+    got = [res.trainer.train_step().loss for _ in range(steps_after)]
+    _on(res.trainer.local_state(), dev, f"{who}: the trainer after {steps_after} steps")
+    restart = Trainer(new_cfg, prepared.extra, device=dev, state=ref)
+    want = [restart.train_step().loss for _ in range(steps_after)]
+    _losses_match(got, want, dev, f"{who} vs a restart")
+    return got, want
+
+
 def _switch4_rank(rank, world, store, results, dev, timeout_s, *, model, old, new, seq_len,
                   steps_before, steps_after, root):
     """One of the ranks of :func:`check_switch4`."""
@@ -193,17 +212,10 @@ def _switch4_rank(rank, world, store, results, dev, timeout_s, *, model, old, ne
         return {"left": True}
     after = res.trainer.local_state()
     _on(after, dev, f"rank {rank}'s switched trainer")
-    ref = load_state(new_bound, prepared.new_rank, saved.path, device=dev)
-    what = f"rank {rank}'s state across {old} -> {new_layout.to_text()} vs DCP's resharding"
-    _same(ref, after, what)
-    _same_rng(ref, after, what)
-    # Training goes on from the switched state as from a restart of the checkpoint (same new
-    # groups, one trainer after the other).
-    got = [res.trainer.train_step().loss for _ in range(steps_after)]
-    _on(res.trainer.local_state(), dev, f"rank {rank}'s trainer after {steps_after} steps")
-    restart = Trainer(new_cfg, prepared.extra, device=dev, state=ref)
-    want = [restart.train_step().loss for _ in range(steps_after)]
-    _losses_match(got, want, dev, f"rank {rank} after the switch vs a restart")
+    got, want = _as_dcp_then_a_restart(
+        res, prepared, new_cfg, new_bound, saved.path, dev, steps_after,
+        f"rank {rank}'s state across {old} -> {new_layout.to_text()} vs "
+        "DCP's resharding", f"rank {rank} after the switch")
     s = res.transfer
     return {"device": str(dev), "new_rank": prepared.new_rank, "pause": res.pause_seconds,
             "copied": s.bytes_copied, "adopted": s.bytes_adopted, "sent": s.bytes_sent,
@@ -329,15 +341,10 @@ def _recovery4_rank(rank, world, store, results, dev, timeout_s, *, model, old, 
         return {"left": True, "device": str(dev)}
     after = res.trainer.local_state()
     _on(after, dev, f"rank {rank}'s recovered trainer")
-    ref = load_state(new_bound, prepared.new_rank, saved.path, device=dev)
-    _same(ref, after, f"rank {rank}'s state after {what} vs the unfailed run's (DCP) at step "
-                      f"{step}")
-    _same_rng(ref, after, f"rank {rank}'s recovered state")
-    got = [res.trainer.train_step().loss for _ in range(steps_after)]
-    _on(res.trainer.local_state(), dev, f"rank {rank}'s recovered trainer after training")
-    restart = Trainer(new_cfg, prepared.extra, device=dev, state=ref)
-    want = [restart.train_step().loss for _ in range(steps_after)]
-    _losses_match(got, want, dev, f"rank {rank} after the recovery vs a restart")
+    got, want = _as_dcp_then_a_restart(
+        res, prepared, new_cfg, new_bound, saved.path, dev, steps_after,
+        f"rank {rank}'s state after {what} vs the unfailed run's (DCP) at "
+        f"step {step}", f"rank {rank} after the recovery")
     s = res.transfer
     return {"device": str(dev), "new_rank": prepared.new_rank, "restore_step": step,
             "needs": {str(k): v for k, v in needs.items()}, "holdings": held[rank],
