@@ -73,6 +73,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2
 
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
+from dynatrain.vps.rounds import DEFAULT_STAGING_BYTES
 
 from . import auth
 from .v1 import agent_pb2, agent_pb2_grpc
@@ -83,7 +84,6 @@ SERVICE_NAME = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name  # dynat
 
 # Defaults that a zero field stands for (see the proto's comments).
 DEFAULT_DEVICES_PER_NODE = 8
-DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 DEFAULT_PREPARE_TIMEOUT_S = 60.0
 DEFAULT_COMMIT_TIMEOUT_S = 120.0
 

@@ -27,6 +27,9 @@ MiB = 1 << 20
 DIRECT_BYTES = 1 * MiB
 """Default size from which a region travels as a message of its own
 (:attr:`~dynatrain.vps.transition.TransitionConfig.direct_bytes`)."""
+DEFAULT_STAGING_BYTES = 256 * MiB
+"""Default staging budget of a switch: the most bytes a device stages (sent plus received) in
+one round (the engine's, the agent's when a Prepare names none, the memory model's)."""
 
 
 class Item(NamedTuple):

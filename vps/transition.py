@@ -48,8 +48,8 @@ from . import abandon, faults
 from .carving import CARVING, Trim, carve_views, give_back, unshared
 from .planner import Plan
 from .regions import region_view
-from .rounds import (CHECKSUM_BYTES, DIRECT_BYTES, Message, MiB, slot_bytes, split_direct,
-                     staging_need)
+from .rounds import (CHECKSUM_BYTES, DEFAULT_STAGING_BYTES, DIRECT_BYTES, Message, slot_bytes,
+                     split_direct, staging_need)
 
 
 class TransitionError(RuntimeError):
@@ -58,7 +58,7 @@ class TransitionError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class TransitionConfig:
-    staging_bytes: int = 256 * MiB
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     """Most bytes a device stages (sent plus received) in one round."""
     checksums: bool = False
     """Append two 64-bit sums to every message and check them on arrival."""

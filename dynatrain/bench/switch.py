@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 
 from dynatrain.bench.switch_worker import live_worker, restart_worker
+from dynatrain.vps.rounds import DEFAULT_STAGING_BYTES
 
 STEPS_BEFORE = 3
 STEPS_AFTER = 3
@@ -48,8 +49,8 @@ def _collect(procs, results, expected: int, deadline: float, what: str) -> list:
     return out
 
 
-def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = 256 << 20, checksums: bool = False,
-                 direct_bytes: int | None = None, carve: bool = True,
+def bench_switch(old_cfg, new_cfg, *, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 checksums: bool = False, direct_bytes: int | None = None, carve: bool = True,
                  baseline: bool = True, dump: str | None = None, timeout_s: float = 600.0,
                  steps_before: int = STEPS_BEFORE, steps_after: int = STEPS_AFTER,
                  progress=None, restart_fresh: bool = True, backend: str = "gloo") -> dict:

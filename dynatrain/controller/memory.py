@@ -50,15 +50,14 @@ from dynatrain.vps.layout import Layout, bind
 from dynatrain.vps.mapping import rank_shards, state_itemsize
 from dynatrain.vps.model import ModelSpec
 from dynatrain.vps.planner import plan_switch
-from dynatrain.vps.rounds import DIRECT_BYTES, schedule_rounds, staging_need
+from dynatrain.vps.rounds import (DEFAULT_STAGING_BYTES, DIRECT_BYTES, schedule_rounds,
+                                  staging_need)
 from dynatrain.vps.topology import Nodes, node_of
 
 from .costmodel import Estimate, estimate
 from .hardware import DeviceProfile
 
 GiB = 1 << 30
-DEFAULT_STAGING_BYTES = 256 << 20
-"""The switch's staging budget when none is given (the agent's default, 256 MiB)."""
 GLOO_TCP_BYTES_PER_SECOND = 3e9
 """What the mirrors' transport is assumed to reach per connection at best: gloo's TCP pairs
 move one socket per peer from one thread each and rarely pass a few GB/s, whatever the NIC
