@@ -739,14 +739,20 @@ class JobRuntime:
                 return False
             self.suspension = {"checkpoint": path, "step": step, "time": _now().isoformat()}
             c.restart_from(path, step)    # the clients go; resumed, it starts from there
-            self.phase = "Suspended"
-            self._publish(force=True)     # kept before the pods go: nothing else holds it
+            wrote = True
+        else:
+            wrote = False
         self.phase = "Suspended"
         text = ("no worker pods while spec.suspend is true" + (
             f"; the job continues from the checkpoint of step {self.suspension['step']} "
             f"({self.suspension['checkpoint']}) when it is set to false"
             if self.suspension else ""))
-        if self.conditions.set("Suspended", True, "Suspended", text, gen):
+        changed = self.conditions.set("Suspended", True, "Suspended", text, gen)
+        if wrote:
+            # Kept before the pods go (nothing else holds it), and in one status with the
+            # phase and the condition: a reader never sees the one without the other.
+            self._publish(force=True)
+        if changed:
             self._event("Normal", "Suspended", text)
             self.log(f"job {self.name}: suspended: {text}")
         for d in list(c.clients):         # pods not yet members (standby, joining)
