@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -73,7 +73,6 @@ class PoolStats:
     """Buffers returned to the system by :meth:`HostBuffers.trim`."""
     pin_seconds: float = 0.0
     """Time spent making and page-locking buffers."""
-    sizes: list[int] = field(default_factory=list)
 
 
 class HostBuffers:
@@ -100,7 +99,6 @@ class HostBuffers:
         """Count ``block`` in (lock held)."""
         self.stats.pin_seconds += seconds
         self.stats.allocated += 1
-        self.stats.sizes.append(block.buf.numel())
         self._blocks.append(block)
 
     def _fit(self, nbytes: int, exclude=()) -> _Block | None:
