@@ -43,7 +43,7 @@ RUNTIME_DEBS := containerd runc containernetworking-plugins debootstrap busybox-
 test: setup go-tools
 	@$(PHASE) "test: prometheus" tools/install-prometheus.sh
 	@$(PHASE) "test: container runtime" tools/install-debs.sh $(RUNTIME_DEBS)
-	@$(PHASE) "test: pytest" $(BIN)/python -m pytest
+	@$(PHASE) "test: pytest" $(BIN)/python tools/pytest-shards
 
 # Without a Go on PATH that can build them (Go >= 1.21 fetches the toolchain go.mod names
 # itself), the first build downloads that toolchain (about 70 MB from the Go module proxy,
