@@ -65,6 +65,7 @@ from kubernetes.client.rest import ApiException
 from dynatrain.agent.auth import ClientTls
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import Metrics
+from dynatrain.controller import decide
 from dynatrain.controller.core import JobController, JobFailed, SuspendFailed
 from dynatrain.controller.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
                                            profile_for_node_labels)
@@ -782,7 +783,7 @@ class JobRuntime:
                 continue
             if w.doomed and d in c.clients and d not in self.noticed:
                 self.noticed.add(d)
-                if self.job.preemption_policy == "Ignore":
+                if not decide.acts_on_notice(self.job):
                     self._event("Warning", "PreemptionIgnored", f"worker {d} ({w.name}) may be "
                                 f"lost in {w.deadline_s:.0f} s: {w.why}; spec.preemptionPolicy "
                                 "is Ignore: no switch (if it goes, it is recovered)")

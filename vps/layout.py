@@ -122,6 +122,12 @@ class Layout:
     def with_devices(self, devices) -> "Layout":
         return replace(self, devices=tuple(devices))
 
+    def same_shape(self, other: "Layout | None") -> bool:
+        """The same layout, whatever devices each runs on: what a request, a running layout
+        and a switch's target are compared by (a layout's equality also compares devices).
+        Two layouts are the same shape exactly when their canonical texts are equal."""
+        return other is not None and self.to_text() == other.to_text()
+
     def to_text(self) -> str:
         """Canonical text form; parse(to_text()) gives an equal layout (devices aside)."""
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]

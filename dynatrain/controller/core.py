@@ -28,7 +28,9 @@ from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 
+from . import decide
 from .costmodel import SolverError
+from .decide import choose_restore
 from .hardware import DeviceProfile
 from .job import JobSpec
 from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
@@ -36,11 +38,7 @@ from .policy import Policy
 from .progress import Progress
 
 State = pb.StatusResponse.State
-VOLUNTARY = ("scale-up", "better-layout")
 MAX_ATTEMPTS = 3
-INTERRUPT_GRACE_S = 1.0
-"""How long members may report INTERRUPTED before the controller recovers without knowing
-which device failed (normally the runner or the cluster names it within milliseconds)."""
 
 
 class JobFailed(RuntimeError):
@@ -239,7 +237,7 @@ class JobController:
         self.job = replace(self.job, mode="fixed", layout=layout)
         req = LayoutRequest(layout, self.progress.step)
         self.requests.append(req)
-        if self.layout is not None and layout.to_text() == self.layout.to_text():
+        if layout.same_shape(self.layout):
             self._answer(req, "applied", "already running", step=self.progress.step)
         else:
             self._answer(req, "pending", f"requested at step {req.step}")
@@ -252,7 +250,7 @@ class JobController:
         self.job = job
         if job.mode == "fixed" and job.layout is not None and (
                 before.mode != "fixed" or before.layout is None
-                or before.layout.to_text() != job.layout.to_text()):
+                or not before.layout.same_shape(job.layout)):
             self._auto_job = None
             self.request_layout(job.layout)
         elif job.mode != "fixed":
@@ -365,54 +363,45 @@ class JobController:
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> SwitchRecord | None:
-        """Read progress; switch if the policy says so. Returns the switch made, if any."""
+        """Read progress; act on what :func:`.decide.next_action` says. Returns the switch
+        made, if any."""
         self.poll()
-        if self.progress.finished:
-            for req in self.requests:
-                if req.open:
-                    self._answer(req, "refused", f"not applied: the job finished at step "
-                                 f"{self.progress.step} first ({req.answer})")
-            return None
-        stalled = time.monotonic() - self._last_step_at
-        if self.layout is not None and stalled > self.timeouts.give_up_s:
-            raise JobFailed(f"no step trained for {stalled:.0f} s (the give-up timeout, "
-                            f"spec.recovery.timeouts.giveUpSeconds={self.timeouts.give_up_s:g})"
-                            f"; members {self.members} at step {self.progress.step}")
-        if self.failed or self._interrupted_long_enough():
-            if not self.recover_in_memory:
-                return None          # the front end restarts the job (checkpoint-and-restart)
-            return self._recover()
-        suspects = sorted(d for d in self.members if self._misses.get(d))
-        if suspects and not set(self.doomed) & set(self.members):
-            return None          # the watchdog decides about them first (a switch would wait)
+        action = decide.next_action(self.view(), self.policy, self.job, self.profile)
         req = self.pending_request()
-        try:
-            decision = self.policy.decide(self.job, self.profile, self.layout, self.usable,
-                                          set(self.doomed), self.progress.step)
-        except SolverError as e:
-            if self.layout is None or set(self.doomed) & set(self.members):
-                raise JobFailed(f"no layout fits the devices left: {e}") from e
-            if req is not None:
-                self._refuse(req, str(e))
+        if isinstance(action, decide.Finished):
+            for r in self.requests:
+                if r.open:
+                    self._answer(r, "refused", f"not applied: the job finished at step "
+                                 f"{self.progress.step} first ({r.answer})")
             return None
-        if req is not None and self.layout is not None:
-            self._answer_waiting(req, decision)
-        if decision is None:
+        if isinstance(action, decide.GiveUp):
+            raise JobFailed(action.why)
+        if isinstance(action, decide.Recover):
+            return self._recover()
+        if isinstance(action, decide.Refuse):
+            self._refuse(req, action.why)
             return None
+        if req is not None and getattr(action, "answer", None) is not None:
+            self._answer(req, action.answer.state, action.answer.text)
+        if not isinstance(action, decide.Switch):
+            return None
+        decision = action.decision
         record = self._switch(decision.layout, decision.reason)
-        if record is not None and decision.reason in VOLUNTARY:
+        if record is not None and decision.reason in decide.VOLUNTARY:
             self.policy.record_voluntary()
         return record
 
-    def _answer_waiting(self, req: LayoutRequest, decision) -> None:
-        """Say why a pending request is not being applied by this decision."""
-        if decision is not None and decision.reason == "requested":
-            return
-        if req.layout.world > len(self.usable):
-            self._answer(req, "waiting", f"needs {req.layout.world} workers, "
-                         f"{len(self.usable)} usable: applied when capacity allows")
-        elif decision is not None:
-            self._answer(req, "pending", f"after the {decision.reason} switch in progress")
+    def view(self) -> decide.View:
+        """The controller's state as the values :mod:`.decide` reads."""
+        req = self.pending_request()
+        return decide.View(
+            now=time.monotonic(), layout=self.layout, usable=tuple(self.usable),
+            doomed=frozenset(self.doomed), failed=frozenset(self.failed),
+            misses=dict(self._misses), step=self.progress.step,
+            finished=self.progress.finished, last_step_at=self._last_step_at,
+            give_up_s=self.timeouts.give_up_s, interrupted_since=self.interrupted_since,
+            recover_in_memory=self.recover_in_memory,
+            request=decide.Request(req.layout) if req is not None else None)
 
     def _refuse(self, req: LayoutRequest, why: str) -> None:
         self._answer(req, "refused", why)
@@ -434,20 +423,8 @@ class JobController:
         if phase != "prepare" or self._in_switch is None:
             return None
         involved, new, reason = self._in_switch
-        lost = sorted(d for d in involved if d not in self.clients or d in self.failed)
-        if lost:
-            return f"device(s) {lost} lost"
-        silent = sorted(d for d in involved if self._misses.get(d, 0) >= 2)
-        if silent:
-            return f"device(s) {silent} stopped answering Status"
-        doomed = sorted(set(new.device_of) & set(self.doomed))
-        if doomed:
-            return f"preemption notice for device(s) {doomed}, which the target uses"
-        req = self.pending_request()
-        if reason in VOLUNTARY and req is not None and \
-                req.layout.to_text() != new.to_text() and req.layout.world <= len(self.usable):
-            return f"layout {req.layout.to_text()} was requested"
-        return None
+        return decide.superseded(self.view(), decide.InFlight(frozenset(involved), new, reason),
+                                 present=frozenset(self.clients))
 
     def poll(self, *, judge: bool = True) -> Progress:
         """Collect step records from every member (each reports its own data reads).
@@ -471,15 +448,14 @@ class JobController:
                 if slow:
                     self._misses[d] = self._misses.get(d, 0) + 1
                 silent = now - self._last_answer.setdefault(d, now)
-                if judge and not slow:
-                    self.fail_device(d, f"stopped answering: {e}")
-                elif judge and silent >= self.timeouts.watchdog_s:   # the watchdog's call
-                    self.fail_device(d, f"hung: no answer to Status for {silent:.1f} s "
-                                        f"(watchdog {self.timeouts.watchdog_s:g} s)")
+                why = decide.after_status_error(slow=slow, silent_s=silent,
+                                                watchdog_s=self.timeouts.watchdog_s)
+                if judge and why is not None:
+                    self.fail_device(d, why if slow else f"{why}: {e}")
                 continue
             self._last_answer[d] = time.monotonic()
             self._misses.pop(d, None)
-            if st.leaving and d not in self.doomed and self.job.preemption_policy == "Switch":
+            if st.leaving and d not in self.doomed and decide.acts_on_notice(self.job):
                 # Told to leave (SIGTERM with a grace period): a notice from the worker itself
                 # (spec.preemptionPolicy Ignore: it is lost at its deadline, and recovered).
                 self.log(f"device {d} is leaving ({st.leaving_in_seconds:.0f} s of its grace "
@@ -512,19 +488,12 @@ class JobController:
         one can be blamed: the collective timeout ends it."""
         limit = max(self.timeouts.watchdog_s, 3 * self._step_seconds)
         stalled = time.monotonic() - self._last_step_at
-        if stalled < limit or self.layout is None:
+        if self.layout is None:
             return
         waiting = sorted(d for d, w in waits.items() if w >= limit / 2)
-        idle = sorted(d for d, w in waits.items() if w < 1.0)
-        if not waiting or not idle:
-            return
-        for d in idle:
+        for d in decide.hung(waits, stalled_s=stalled, limit_s=limit):
             self.fail_device(d, f"hung: no step for {stalled:.1f} s while devices {waiting} "
                                 f"wait for it in a collective (watchdog {limit:g} s)")
-
-    def _interrupted_long_enough(self) -> bool:
-        return (self.interrupted_since is not None
-                and time.monotonic() - self.interrupted_since > INTERRUPT_GRACE_S)
 
     def _ingest(self, device: int, st) -> None:
         p = self.progress
@@ -724,7 +693,7 @@ class JobController:
         self._rewind(record.step)
         self._infer_unreported_reads(record.step)
         req = self.pending_request()
-        if req is not None and req.layout.to_text() != new.to_text():
+        if req is not None and not req.layout.same_shape(new):
             self._answer(req, "pending", f"superseded by the failure of devices "
                          f"{list(failed)} (recovered to {new.to_text()} at step "
                          f"{record.step}): re-requested after the recovery")
@@ -837,7 +806,7 @@ class JobController:
             self._seen.setdefault(d, record.step)
         self._last_step_at = time.monotonic()
         req = self.pending_request()
-        if req is not None and req.layout.to_text() == new.to_text():
+        if req is not None and req.layout.same_shape(new):
             self._answer(req, "applied", f"applied at step {record.step} ({record.reason})",
                          step=record.step)
         self.metrics.set_layout(new)
@@ -849,38 +818,6 @@ class JobController:
                                         {"prepare": record.prepare_seconds,
                                          "pause": record.pause_seconds,
                                          "transfer": record.transfer_seconds}, record.bytes)
-
-
-def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], holdings: dict,
-                   *, gpus_per_node: int | dict[int, str] = 8
-                   ) -> tuple[int, dict[int, int]] | None:
-    """The newest step every survivor holds a snapshot of and from which ``new`` can be
-    planned, with the mirrors (proxies) that make it whole; None if no step qualifies.
-
-    ``holdings``: device -> its Status (snapshot_steps, mirror_of, mirror_steps). The planner
-    itself decides whether a step is whole: it fails (PlanError) when some state of a failed
-    device has neither a surviving replica nor a mirror. ``gpus_per_node``: the plan's node
-    map (devices per node, or device -> node name: :mod:`dynatrain.vps.topology`).
-    """
-    from dynatrain.vps.planner import PlanError, plan_switch
-
-    survivors = [d for d in old.device_of if d not in failed]
-    if not survivors:
-        return None
-    common = set.intersection(*(set(holdings[d].snapshot_steps) if d in holdings else set()
-                                for d in survivors))
-    for step in sorted(common, reverse=True):
-        proxies = {}
-        for d, st in holdings.items():
-            if st.mirror_of in failed and step in st.mirror_steps:
-                proxies[st.mirror_of] = d
-        try:
-            plan_switch(model, old, new, gpus_per_node=gpus_per_node, dead=failed,
-                        proxies=proxies)
-        except PlanError:
-            continue
-        return step, proxies
-    return None
 
 
 def _text(layout: Layout | None) -> str:

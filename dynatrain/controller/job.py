@@ -24,6 +24,8 @@ from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 from dynatrain.vps.model import ModelSpec, ModelSpecError, model_from_dict
 from dynatrain.vps.presets import load_model
 
+from .timeouts import Timeouts
+
 API_VERSION = "dynatrain.io/v1alpha1"
 KIND = "DynaTrainJob"
 PREEMPTION_POLICIES = ("Switch", "Ignore")
@@ -122,8 +124,6 @@ class RecoverySpec:
     :class:`~dynatrain.controller.orchestrator.Timeouts` (unset fields keep its defaults)."""
 
     def timeouts_config(self):
-        from .orchestrator import Timeouts
-
         return Timeouts(**{TIMEOUT_FIELDS[k]: v for k, v in self.timeouts})
 
 
@@ -600,8 +600,6 @@ def _schedule(r: _Reader, doc: dict) -> LRSchedule:
 
 def _timeouts(r: _Reader, doc: dict) -> tuple[tuple[str, float], ...]:
     """``spec.recovery.timeouts``: known fields, positive, in the order of the hierarchy."""
-    from .orchestrator import Timeouts
-
     unknown = sorted(set(doc) - set(TIMEOUT_FIELDS))
     if unknown:
         r.problems.append(f"spec.recovery.timeouts: unknown fields {unknown}; valid: "

@@ -21,6 +21,9 @@ from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.vps import faults
 from dynatrain.vps.layout import Layout
 
+from .decide import SILENT_AFTER_MISSES
+from .timeouts import Timeouts  # noqa: F401  (where callers have always found it)
+
 
 class SwitchFailed(RuntimeError):
     def __init__(self, message: str, *, retryable: bool, superseded: bool = False):
@@ -65,31 +68,6 @@ class SwitchRecord:
                 "workers_before": self.workers_before,
                 "workers_after": self.workers_after, "result": self.result,
                 "attempts": self.attempts, "wall_time": self.wall_time}
-
-
-@dataclass
-class Timeouts:
-    """The timeout hierarchy, shortest first (``spec.timeouts`` sets them; README "Timeouts"):
-    a hung worker is found by the watchdog long before a collective, a switch or the job
-    would give up on it."""
-
-    status_s: float = 2.0
-    """Deadline of one Status or health call: an agent that does not answer within it missed
-    one (a loaded machine can be slow: one miss is not a failure)."""
-    watchdog_s: float = 8.0
-    """A member that answers no Status for this long (a hung or stopped process), or that
-    makes no progress this long while its peers wait for it in a collective, is declared
-    failed and recovered like a dead one."""
-    group_s: float = 60.0
-    """Timeout of every wait inside the generation's groups (transfer rounds included): the
-    backstop for a hang the watchdog cannot attribute."""
-    prepare_s: float = 60.0
-    """Longest wait for every device to report the generation ready."""
-    commit_s: float = 120.0
-    """Longest wait for every device to switch after Commit."""
-    give_up_s: float = 600.0
-    """The job fails when it has trained no step for this long although it runs a layout
-    (every shorter timeout above has had its chance to recover it)."""
 
 
 def _fan_out(fn, items) -> list:
@@ -244,7 +222,7 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
                     misses.pop(d, None)
                     continue
                 misses[d] = misses.get(d, 0) + 1
-                if misses[d] >= 2:           # twice in a row: not a slow answer
+                if misses[d] >= SILENT_AFTER_MISSES:     # not a slow answer
                     raise SwitchFailed(f"device {d} stopped answering during the switch to "
                                        f"generation {generation}", retryable=False)
         out = []

@@ -84,7 +84,7 @@ class Policy:
             return self._place(job, current, usable, best, reason)
         steps_left = job.training.steps - step
         if job.mode == "fixed" and job.layout is not None \
-                and job.layout.to_text() != current.to_text():
+                and not job.layout.same_shape(current):
             if job.layout.world <= len(usable):
                 best = solve(job.model, job.layout.world, profile, fixed=job.layout, **kw)
                 return self._place(job, current, usable, best, "requested")

@@ -1,0 +1,275 @@
+"""The controller's decisions, as pure functions of what it knows.
+
+:class:`~.core.JobController` executes (it calls agents, runs switches, keeps the record); the
+rules that say *what* to do live here, each a function of frozen values with no clock, no
+network and no process of its own:
+
+- :func:`next_action`: at a tick, what the job does now: nothing, give up, recover from a
+  failure, or switch to the layout the :class:`~.policy.Policy` chose, and what to answer a
+  user's pending layout request;
+- :func:`superseded`: while a Prepare is in flight, whether a newer signal made its target
+  wrong (it is then aborted and decided again);
+- :func:`after_status_error`, :data:`SILENT_AFTER_MISSES`: the watchdog's rules for a Status
+  or health call that failed (the same rule inside a switch's Commit, in the orchestrator);
+- :func:`hung`: members that answer Status but hold the others up;
+- :func:`acts_on_notice`: whether a preemption notice (the cluster's, or a worker's SIGTERM)
+  becomes a live switch, by ``spec.preemptionPolicy`` (the operator and the controller ask);
+- :func:`choose_restore`: where a recovery restores from (which step, which mirrors).
+
+The module imports no grpc, kubernetes or torch (a contract in pyproject.toml says so), so its
+rules are tested as tables of cases in milliseconds (tests/controller/test_decide.py), apart
+from the processes that the end-to-end tests start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynatrain.vps.layout import Layout
+
+from .costmodel import SolverError
+from .hardware import DeviceProfile
+from .job import JobSpec
+from .policy import Decision, Policy
+
+VOLUNTARY = ("scale-up", "better-layout")
+"""Switch reasons the policy may choose or not (a cooldown applies; a request supersedes)."""
+INTERRUPT_GRACE_S = 1.0
+"""How long members may report INTERRUPTED before the controller recovers without knowing
+which device failed (normally the runner or the cluster names it within milliseconds)."""
+SILENT_AFTER_MISSES = 2
+"""Status (or health) calls missed in a row after which a device counts as silent rather
+than slow: a switch is not started with it, and one in flight is given up."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A user's open layout request, as the decision sees it."""
+
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class View:
+    """What a decision reads: the controller's state at one instant, as values."""
+
+    now: float
+    """Monotonic seconds."""
+    layout: Layout | None
+    """The running layout with its devices (None before the first generation)."""
+    usable: tuple[int, ...]
+    """Devices with an agent and no notice, sorted."""
+    doomed: frozenset[int] = frozenset()
+    failed: frozenset[int] = frozenset()
+    """Members that died without notice (recovery pending)."""
+    misses: dict[int, int] = field(default_factory=dict)
+    """Device -> Status calls missed in a row."""
+    step: int = 0
+    finished: bool = False
+    last_step_at: float = 0.0
+    give_up_s: float = float("inf")
+    interrupted_since: float | None = None
+    recover_in_memory: bool = True
+    request: Request | None = None
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(self.layout.device_of) if self.layout else ()
+
+
+# -- what a tick does ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Answer:
+    """Answer the pending request with this state and text."""
+
+    state: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to do now (``why`` for the reader; ``answer`` for a pending request)."""
+
+    why: str = ""
+    answer: Answer | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The job trained its last step: every open request is refused, saying so."""
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The job cannot go on: it fails with ``why``."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Recover:
+    """Devices died without notice (or members are interrupted): recover in memory."""
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The pending request cannot be met (``why``, the solver's reason): refuse it and run
+    on as before it."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Switch to ``decision.layout`` for ``decision.reason``."""
+
+    decision: Decision
+    answer: Answer | None = None
+
+
+Action = Idle | Finished | GiveUp | Recover | Refuse | Switch
+
+
+def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -> Action:
+    """What the job does at this tick. The order is the rules' priority: a finished job does
+    nothing; a stalled one gives up; a failure is recovered before anything else; a switch
+    does not start while a member is suspected of hanging (the watchdog decides first) unless
+    a notice forces it; else the policy chooses."""
+    if v.finished:
+        return Finished()
+    stalled = v.now - v.last_step_at
+    if v.layout is not None and stalled > v.give_up_s:
+        return GiveUp(f"no step trained for {stalled:.0f} s (the give-up timeout, "
+                      f"spec.recovery.timeouts.giveUpSeconds={v.give_up_s:g}); members "
+                      f"{list(v.members)} at step {v.step}")
+    if v.failed or (v.interrupted_since is not None
+                    and v.now - v.interrupted_since > INTERRUPT_GRACE_S):
+        if not v.recover_in_memory:
+            return Idle("the front end restarts the job (checkpoint-and-restart)")
+        return Recover()
+    must_leave = v.doomed & set(v.members)
+    suspects = sorted(d for d in v.members if v.misses.get(d))
+    if suspects and not must_leave:
+        return Idle(f"devices {suspects} missed Status: the watchdog decides about them first")
+    try:
+        decision = policy.decide(job, profile, v.layout, list(v.usable), set(v.doomed), v.step)
+    except SolverError as e:
+        if v.layout is None or must_leave:
+            return GiveUp(f"no layout fits the devices left: {e}")
+        if v.request is not None:
+            return Refuse(str(e))
+        return Idle(f"the solver found nothing better: {e}")
+    answer = None
+    if v.request is not None and v.layout is not None:
+        answer = waiting_answer(v.request, decision, len(v.usable))
+    if decision is None:
+        return Idle(answer=answer)
+    return Switch(decision, answer)
+
+
+def waiting_answer(req: Request, decision: Decision | None, usable: int) -> Answer | None:
+    """Why a pending request is not applied by this decision (None: it is, or no news)."""
+    if decision is not None and decision.reason == "requested":
+        return None
+    if req.layout.world > usable:
+        return Answer("waiting", f"needs {req.layout.world} workers, {usable} usable: "
+                      "applied when capacity allows")
+    if decision is not None:
+        return Answer("pending", f"after the {decision.reason} switch in progress")
+    return None
+
+
+# -- while a switch is in flight -----------------------------------------------------------------
+@dataclass(frozen=True)
+class InFlight:
+    """The switch being prepared: the devices taking part, its target and why."""
+
+    involved: frozenset[int]
+    target: Layout
+    reason: str
+
+
+def superseded(v: View, flight: InFlight, *, present: frozenset[int]) -> str | None:
+    """Why the Prepare in flight must be aborted and decided again, or None to go on.
+
+    ``present``: devices with an agent. A device taking part that is gone or failed, or has
+    stopped answering Status; a notice on a device of the target; a user's request, over a
+    voluntary switch, that capacity allows."""
+    lost = sorted(d for d in flight.involved if d not in present or d in v.failed)
+    if lost:
+        return f"device(s) {lost} lost"
+    silent = sorted(d for d in flight.involved if v.misses.get(d, 0) >= SILENT_AFTER_MISSES)
+    if silent:
+        return f"device(s) {silent} stopped answering Status"
+    doomed = sorted(set(flight.target.device_of) & v.doomed)
+    if doomed:
+        return f"preemption notice for device(s) {doomed}, which the target uses"
+    req = v.request
+    if flight.reason in VOLUNTARY and req is not None and not req.layout.same_shape(flight.target) \
+            and req.layout.world <= len(v.usable):
+        return f"layout {req.layout.to_text()} was requested"
+    return None
+
+
+# -- the watchdog --------------------------------------------------------------------------------
+def after_status_error(*, slow: bool, silent_s: float, watchdog_s: float) -> str | None:
+    """A member's Status call failed: why it is failed now, or None (a miss, not yet a
+    failure). ``slow``: the call ran out of time (the agent may be busy); otherwise it was
+    refused (the process is gone). ``silent_s``: since its last answer."""
+    if not slow:
+        return "stopped answering"
+    if silent_s >= watchdog_s:
+        return f"hung: no answer to Status for {silent_s:.1f} s (watchdog {watchdog_s:g} s)"
+    return None
+
+
+def hung(waits: dict[int, float], *, stalled_s: float, limit_s: float) -> list[int]:
+    """Members that make no progress while answering Status: when the job has trained no step
+    for ``limit_s``, the members that have waited in a collective for half of it are waiting
+    for the ones that wait for nothing, and those hang. When every member waits, the hang is
+    inside the collectives and no one can be blamed (the collective timeout ends it).
+    ``waits``: member -> seconds it has waited in its current collective."""
+    if stalled_s < limit_s:
+        return []
+    waiting = [d for d, w in waits.items() if w >= limit_s / 2]
+    idle = sorted(d for d, w in waits.items() if w < 1.0)
+    return idle if waiting and idle else []
+
+
+def acts_on_notice(job: JobSpec) -> bool:
+    """Whether a preemption notice becomes a live switch (``spec.preemptionPolicy: Switch``)
+    or is only reported, the device then recovered if it goes (``Ignore``)."""
+    return job.preemption_policy == "Switch"
+
+
+# -- recovery ------------------------------------------------------------------------------------
+def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], holdings: dict,
+                   *, gpus_per_node: int | dict[int, str] = 8
+                   ) -> tuple[int, dict[int, int]] | None:
+    """The newest step every survivor holds a snapshot of and from which ``new`` can be
+    planned, with the mirrors (proxies) that make it whole; None if no step qualifies.
+
+    ``holdings``: device -> its Status (snapshot_steps, mirror_of, mirror_steps). The planner
+    itself decides whether a step is whole: it fails (PlanError) when some state of a failed
+    device has neither a surviving replica nor a mirror. ``gpus_per_node``: the plan's node
+    map (devices per node, or device -> node name: :mod:`dynatrain.vps.topology`).
+    """
+    from dynatrain.vps.planner import PlanError, plan_switch
+
+    survivors = [d for d in old.device_of if d not in failed]
+    if not survivors:
+        return None
+    common = set.intersection(*(set(holdings[d].snapshot_steps) if d in holdings else set()
+                                for d in survivors))
+    for step in sorted(common, reverse=True):
+        proxies = {}
+        for d, st in holdings.items():
+            if st.mirror_of in failed and step in st.mirror_steps:
+                proxies[st.mirror_of] = d
+        try:
+            plan_switch(model, old, new, gpus_per_node=gpus_per_node, dead=failed,
+                        proxies=proxies)
+        except PlanError:
+            continue
+        return step, proxies
+    return None
