@@ -280,7 +280,7 @@ class WorkerControl:
         # names on every worker, so every worker still plans the same switch), as the mirrors do.
         future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
                              build_extra=build_extra,
-                             gpus_per_node=nodes or devices_per_node,
+                             devices_per_node=nodes or devices_per_node,
                              dead=recovery.failed if recovery else frozenset(),
                              proxies=recovery.proxies if recovery else None,
                              preallocate=(functools.partial(preallocate, device=self.device)

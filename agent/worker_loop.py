@@ -293,7 +293,7 @@ class Worker(WorkerControl):
                 # mirrors to the buddy when the job asks for them.
                 redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
                                         mirror_group, mirror=mirror_group is not None,
-                                        ranks_per_node=p.nodes or p.devices_per_node,
+                                        devices_per_node=p.nodes or p.devices_per_node,
                                         wait=abandon.wait, buffers=self.snapshot_buffers,
                                         mirror_buffers=self.mirror_buffers,
                                         calls_before_update=True)

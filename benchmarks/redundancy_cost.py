@@ -47,7 +47,7 @@ def _worker(rank, world, port, cfg, steps, block, per_node, results, watchdog_s,
     bound = bind(lay, cfg.model)
     trainer = Trainer(cfg, build_groups(bound, rank, mgr.group_factory(0, lay)))
     red = Redundancy(bound, rank, mgr.build_group(0, "redundancy", list(range(world))),
-                     ranks_per_node=per_node)
+                     devices_per_node=per_node)
     state_bytes = sum(t.numel() * t.element_size()
                       for t, _ in trainer.local_state().tensors.values())
     # Warm-up, not timed: first steps pay lazy allocation, first snapshot touches its pages.
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     results = mp.get_context("spawn").Queue()
     t0 = time.perf_counter()
     procs = mp.start_processes(_worker, args=(world, store.port, cfg, args.steps, args.block,
-                                              args.ranks_per_node, results, args.watchdog,
+                                              args.devices_per_node, results, args.watchdog,
                                               args.snapshot_every),
                                nprocs=world, join=False, start_method="spawn")
     reports = sorted((results.get(timeout=args.watchdog + 60) for _ in range(world)),

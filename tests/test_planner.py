@@ -17,7 +17,7 @@ from strategies import layouts, models, recoveries, transitions
 @given(transitions())
 def test_every_destination_element_arrives_once_from_a_real_holder(case):
     model, old, new = case
-    plan = plan_switch(model, old, new, gpus_per_node=2)
+    plan = plan_switch(model, old, new, devices_per_node=2)
     verify_plan(plan)
     stats = plan_stats(plan)
     assert stats.lower_bound_max_rank_bytes <= stats.max_rank_bytes
@@ -43,10 +43,10 @@ def _bytes_held(model, layout):
 @given(transitions(), st.data())
 def test_one_devices_part_equals_the_full_plan_for_it(case, data):
     model, old, new = case
-    full = plan_switch(model, old, new, gpus_per_node=2)
+    full = plan_switch(model, old, new, devices_per_node=2)
     devices = sorted(set(old.device_of) | set(new.device_of))
     d = data.draw(st.sampled_from(devices))
-    part = plan_for_device(model, old, new, d, gpus_per_node=2)
+    part = plan_for_device(model, old, new, d, devices_per_node=2)
     assert sorted(part.copies + part.transfers) == sorted(full.for_device(d))
 
 
@@ -94,7 +94,7 @@ def test_sources_on_the_receivers_node_are_preferred():
     # NICs, idle otherwise, carry the rest from the other node at the same time, which beats
     # NVLink alone (R / intra) and the byte balance stays exact.
     plan = plan_switch(m, parse_layout("dp=2").with_devices([0, 2]),
-                       parse_layout("dp=4").with_devices([0, 1, 2, 3]), gpus_per_node=2)
+                       parse_layout("dp=4").with_devices([0, 1, 2, 3]), devices_per_node=2)
     verify_plan(plan)
     same = sum(t.nbytes * plan.group_size(t) for t in plan.transfers if t.src // 2 == t.dst // 2)
     stats = plan_stats(plan)
@@ -132,7 +132,7 @@ def test_a_proxy_serves_its_dead_devices_state(case, data):
     """With a mirror of every dead device on a live proxy, no state is lost; the proxy (never
     the dead device) sends it, and a device's own part of the plan is still exact."""
     model, old, new, dead, proxies = case
-    plan = plan_switch(model, old, new, gpus_per_node=2, dead=dead, proxies=proxies)
+    plan = plan_switch(model, old, new, devices_per_node=2, dead=dead, proxies=proxies)
     verify_plan(plan, dead, proxies)
     for m in plan.copies + plan.transfers:
         assert m.src not in dead, m
@@ -142,7 +142,7 @@ def test_a_proxy_serves_its_dead_devices_state(case, data):
             assert m.owner == m.src, m
     live = sorted((set(old.device_of) | set(new.device_of)) - dead)
     for d in {*proxies.values(), data.draw(st.sampled_from(live))}:
-        part = plan_for_device(model, old, new, d, gpus_per_node=2, dead=dead, proxies=proxies)
+        part = plan_for_device(model, old, new, d, devices_per_node=2, dead=dead, proxies=proxies)
         assert sorted(part.copies + part.transfers) == sorted(plan.for_device(d)), d
 
 

@@ -22,7 +22,7 @@ LINKS = Links(intra=9 * GB, inter=1 * GB)  # round numbers: NVLink 9x the NIC
 
 
 def test_ports_are_independent_and_the_slowest_port_sets_the_time():
-    ports = port_bytes([(0, 1, 9 * GB), (0, 8, 2 * GB), (8, 0, 1 * GB)], gpus_per_node=8)
+    ports = port_bytes([(0, 1, 9 * GB), (0, 8, 2 * GB), (8, 0, 1 * GB)], devices_per_node=8)
     assert ports == {0: [9 * GB, 0, 2 * GB, 1 * GB], 1: [0, 9 * GB, 0, 0],
                      8: [0, 0, 1 * GB, 2 * GB]}
     assert makespan(ports, LINKS) == 2.0  # device 0's inter-send; its NVLink takes 1 s
@@ -60,12 +60,12 @@ def test_bytes_bound_includes_smaller_holder_sets():
 
 @settings(max_examples=40, deadline=None)
 @given(transitions(), st.sampled_from([(9, 1), (1, 1), (1, 4)]), st.sampled_from([1, 2, 4]))
-def test_the_bounds_hold_for_every_plan(case, speeds, gpus_per_node):
+def test_the_bounds_hold_for_every_plan(case, speeds, devices_per_node):
     """Whatever the link speeds (also NVLink slower than the NIC) and node size, the plan's
     modelled time and bytes are at least the bounds, and it still verifies."""
     model, old, new = case
     links = Links(intra=speeds[0] * GB, inter=speeds[1] * GB)
-    plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node, links=links)
+    plan = plan_switch(model, old, new, devices_per_node=devices_per_node, links=links)
     verify_plan(plan)
     stats = plan_stats(plan)
     assert stats.lower_bound_seconds <= stats.modelled_seconds * (1 + 1e-12)
@@ -84,7 +84,7 @@ def test_a_busier_nvlink_sender_beats_an_idle_remote_one():
     old = parse_layout("dp=3").with_devices([0, 1, 8])
     new = parse_layout("dp=9").with_devices([0, 1, 8, 2, 3, 4, 5, 6, 7])
     links = Links.from_gbps(3600, 400)
-    plan = plan_switch(m, old, new, gpus_per_node=8, links=links)
+    plan = plan_switch(m, old, new, devices_per_node=8, links=links)
     verify_plan(plan)
     stats = plan_stats(plan)
     R = stats.state_bytes
@@ -145,10 +145,10 @@ def test_when_both_bounds_cannot_be_met_the_joint_bound_says_so():
 @given(recoveries(), st.data())
 def test_a_devices_part_is_the_full_plan_filtered(case, data):
     model, old, new, dead, proxies = case
-    full = plan_switch(model, old, new, gpus_per_node=2, dead=dead, proxies=proxies)
+    full = plan_switch(model, old, new, devices_per_node=2, dead=dead, proxies=proxies)
     live = sorted((set(old.device_of) | set(new.device_of)) - dead)
     d = data.draw(st.sampled_from(live))
-    part = plan_for_device(model, old, new, d, gpus_per_node=2, dead=dead, proxies=proxies)
+    part = plan_for_device(model, old, new, d, devices_per_node=2, dead=dead, proxies=proxies)
     assert part.copies + part.transfers == [m for m in full.copies + full.transfers
                                             if m.src == d or m.dst == d]
     assert part.demand == full.demand

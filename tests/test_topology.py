@@ -1,5 +1,5 @@
 """The node map (:mod:`dynatrain.vps.topology`): the planner's link costs read each device's
-real node, not the guess ``device // gpus_per_node``.
+real node, not the guess ``device // devices_per_node``.
 
 Byte counts are exact: gpt-tiny's whole state is its parameters in fp32 plus Adam's two fp32
 moments, 12 bytes per parameter, and a switch from one replica to two sends all of it to the
@@ -32,7 +32,7 @@ def _ports(plan):
     from its own node map."""
     sizes = [len(g.names) for g in plan.groups]
     return port_bytes(((m.src, m.dst, m.nbytes * sizes[m.group]) for m in plan.transfers),
-                      plan.gpus_per_node)
+                      plan.devices_per_node)
 
 
 def _grow(devices):
@@ -45,8 +45,8 @@ def test_a_map_names_the_real_node_of_every_device():
     assert R == 44_599_296
     # Devices 0 and 1: the guess puts them on one node (NVLink), the map on two (a NIC).
     old, new = _grow([0, 1])
-    guess = plan_switch(MODEL, old, new, gpus_per_node=8, links=LINKS)
-    real = plan_switch(MODEL, old, new, gpus_per_node={0: "node-a", 1: "node-b"}, links=LINKS)
+    guess = plan_switch(MODEL, old, new, devices_per_node=8, links=LINKS)
+    real = plan_switch(MODEL, old, new, devices_per_node={0: "node-a", 1: "node-b"}, links=LINKS)
     assert _ports(guess) == {0: [R, 0, 0, 0], 1: [0, R, 0, 0]}
     assert _ports(real) == {0: [0, 0, R, 0], 1: [0, 0, 0, R]}
     assert plan_stats(guess).modelled_seconds == R / LINKS.intra
@@ -54,8 +54,8 @@ def test_a_map_names_the_real_node_of_every_device():
     assert plan_stats(real).lower_bound_seconds == R / LINKS.inter
     # Devices 0 and 9: the guess puts them on nodes 0 and 1, the map on one.
     old, new = _grow([0, 9])
-    guess = plan_switch(MODEL, old, new, gpus_per_node=8, links=LINKS)
-    real = plan_switch(MODEL, old, new, gpus_per_node={0: "node-a", 9: "node-a"}, links=LINKS)
+    guess = plan_switch(MODEL, old, new, devices_per_node=8, links=LINKS)
+    real = plan_switch(MODEL, old, new, devices_per_node={0: "node-a", 9: "node-a"}, links=LINKS)
     assert _ports(guess) == {0: [0, 0, R, 0], 9: [0, 0, 0, R]}
     assert _ports(real) == {0: [R, 0, 0, 0], 9: [0, R, 0, 0]}
     assert plan_stats(real).modelled_seconds == R / LINKS.intra
@@ -69,9 +69,9 @@ def test_the_source_on_the_receivers_real_node_sends_over_nvlink():
     it over NVLink, the other the rest over its NIC, at the same time."""
     old = parse_layout("dp=2").with_devices([0, 8])
     new = parse_layout("dp=3").with_devices([0, 8, 1])
-    guess = _ports(plan_switch(MODEL, old, new, gpus_per_node=8))
+    guess = _ports(plan_switch(MODEL, old, new, devices_per_node=8))
     real = _ports(plan_switch(MODEL, old, new,
-                              gpus_per_node={0: "node-a", 8: "node-b", 1: "node-b"}))
+                              devices_per_node={0: "node-a", 8: "node-b", 1: "node-b"}))
     near, far = guess[0][0], guess[8][2]
     assert near + far == R and near > far > 0
     assert guess == {0: [near, 0, 0, 0], 8: [0, 0, far, 0], 1: [0, near, 0, far]}
@@ -81,7 +81,7 @@ def test_the_source_on_the_receivers_real_node_sends_over_nvlink():
 def test_a_device_missing_from_the_map_is_a_node_of_its_own():
     old, new = _grow([0, 1])
     for nodes in ({0: "node-a"}, {1: "node-a"}, {5: "node-a"}):
-        plan = plan_switch(MODEL, old, new, gpus_per_node=nodes, links=LINKS)
+        plan = plan_switch(MODEL, old, new, devices_per_node=nodes, links=LINKS)
         assert _ports(plan) == {0: [0, 0, R, 0], 1: [0, 0, 0, R]}, nodes
     # Two missing devices do not share a node either (the guess would put 2 and 3 together).
     assert port_bytes([(2, 3, 7)], {0: "node-a"}) == {2: [0, 0, 7, 0], 3: [0, 0, 0, 7]}
@@ -104,9 +104,9 @@ def test_a_map_of_the_guessed_nodes_plans_exactly_as_the_number(case):
     model, old, new = case
     devices = set(old.device_of) | set(new.device_of)
     for n in (1, 2, 3):
-        by_number = plan_switch(model, old, new, gpus_per_node=n, links=LINKS)
+        by_number = plan_switch(model, old, new, devices_per_node=n, links=LINKS)
         by_name = plan_switch(model, old, new, links=LINKS,
-                              gpus_per_node={d: f"rack{9 - d // n}" for d in devices})
+                              devices_per_node={d: f"rack{9 - d // n}" for d in devices})
         assert by_name.copies == by_number.copies
         assert by_name.transfers == by_number.transfers
         assert by_name.demand == by_number.demand
@@ -121,7 +121,7 @@ def test_a_recovery_plans_on_real_nodes(case):
     model, old, new, dead, proxies = case
     devices = sorted(set(old.device_of) | set(new.device_of))
     nodes = {d: f"node-{d % 3}" for d in devices}
-    plan = plan_switch(model, old, new, gpus_per_node=nodes, dead=dead, proxies=proxies)
+    plan = plan_switch(model, old, new, devices_per_node=nodes, dead=dead, proxies=proxies)
     verify_plan(plan, dead, proxies)
     for d, ports in _ports(plan).items():
         assert ports[0] == sum(m.nbytes * len(plan.groups[m.group].names)
@@ -131,25 +131,25 @@ def test_a_recovery_plans_on_real_nodes(case):
 
 def test_the_plan_keeps_a_copy_of_its_map():
     nodes = {0: "node-a", 1: "node-b"}
-    plan = plan_switch(MODEL, *_grow([0, 1]), gpus_per_node=nodes)
+    plan = plan_switch(MODEL, *_grow([0, 1]), devices_per_node=nodes)
     nodes[1] = "node-a"
-    assert plan.gpus_per_node == {0: "node-a", 1: "node-b"}
+    assert plan.devices_per_node == {0: "node-a", 1: "node-b"}
 
 
 @pytest.mark.parametrize("bad, says", [
-    (0, "gpus_per_node=0 must be >= 1"),
-    (-1, "gpus_per_node=-1 must be >= 1"),
-    ("8", "gpus_per_node='8' must be a number of devices per node"),
-    (True, "gpus_per_node=True must be a number of devices per node"),
-    (2.0, "gpus_per_node=2.0 must be a number of devices per node"),
-    (None, "gpus_per_node=None must be"),
-    ({0: 1}, "gpus_per_node maps 0 to 1"),
-    ({"0": "node-a"}, "gpus_per_node maps '0' to 'node-a'"),
-    ({0: ""}, "gpus_per_node maps 0 to ''"),
+    (0, "devices_per_node=0 must be >= 1"),
+    (-1, "devices_per_node=-1 must be >= 1"),
+    ("8", "devices_per_node='8' must be a number of devices per node"),
+    (True, "devices_per_node=True must be a number of devices per node"),
+    (2.0, "devices_per_node=2.0 must be a number of devices per node"),
+    (None, "devices_per_node=None must be"),
+    ({0: 1}, "devices_per_node maps 0 to 1"),
+    ({"0": "node-a"}, "devices_per_node maps '0' to 'node-a'"),
+    ({0: ""}, "devices_per_node maps 0 to ''"),
 ])
 def test_a_bad_node_map_is_refused_by_name(bad, says):
     with pytest.raises(PlanError) as e:
-        plan_switch(MODEL, *_grow([0, 1]), gpus_per_node=bad)
+        plan_switch(MODEL, *_grow([0, 1]), devices_per_node=bad)
     assert says in str(e.value)
     with pytest.raises(ValueError) as e:
         port_bytes([(0, 1, 1)], bad)
@@ -192,5 +192,5 @@ def test_a_prepared_switch_plans_on_the_node_map_it_is_given(given_nodes, planne
     layout = parse_layout("dp=1").with_devices([0])
     mgr = DeviceManager(dist.HashStore(), 0, timeout=timedelta(seconds=20))
     prepared = mgr.prepare(1, MODEL, layout, layout, staging_bytes=1 << 20,
-                           gpus_per_node=given_nodes, direct_bytes=None).result(timeout=30)
-    assert prepared.plan.gpus_per_node == planned_on
+                           devices_per_node=given_nodes, direct_bytes=None).result(timeout=30)
+    assert prepared.plan.devices_per_node == planned_on

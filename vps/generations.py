@@ -30,7 +30,7 @@ from .model import ModelSpec
 from .planner import Plan, plan_switch
 from .regions import warm_up_regions
 from .rounds import DIRECT_BYTES, Message, schedule_rounds
-from .topology import Nodes
+from .topology import DEFAULT_DEVICES_PER_NODE, Nodes
 
 
 class GenerationError(RuntimeError):
@@ -133,7 +133,7 @@ class DeviceManager:
 
     def prepare(self, generation: int, model: ModelSpec, old: Layout | None, new: Layout, *,
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
-                gpus_per_node: Nodes = 8, dead: frozenset[int] = frozenset(),
+                devices_per_node: Nodes = DEFAULT_DEVICES_PER_NODE, dead: frozenset[int] = frozenset(),
                 proxies: dict[int, int] | None = None,
                 preallocate: Callable[[PreparedSwitch], None] | None = None,
                 direct_bytes: int | None = DIRECT_BYTES) -> "Future[PreparedSwitch]":
@@ -144,7 +144,7 @@ class DeviceManager:
         job's first generation: nothing moves, so there is no plan and no transition group.
         ``dead`` old devices (a recovery) are neither sources nor members of the transition
         group; ``proxies`` name the live devices that hold their mirrored state.
-        ``gpus_per_node`` is the plan's node map (:mod:`.topology`): devices per node, or device
+        ``devices_per_node`` is the plan's node map (:mod:`.topology`): devices per node, or device
         -> node name; every device of the switch must be given the same, or their plans differ
         (0 or an empty map: 8 per node).
         ``preallocate(prepared)`` runs last, on every device of a switch with a plan, to fill
@@ -163,7 +163,7 @@ class DeviceManager:
                     new_rank = (new.device_of.index(self.device)
                                 if self.device in new.device_of else None)
                 else:
-                    plan = plan_switch(model, old, new, gpus_per_node=gpus_per_node or 8,
+                    plan = plan_switch(model, old, new, devices_per_node=devices_per_node or 8,
                                        dead=dead, proxies=proxies or {})
                     rounds = schedule_rounds(plan, staging_bytes, direct_bytes)
                     warm_up_regions(plan, self.device)

@@ -48,7 +48,7 @@ from .layout import BoundLayout, Layout, LayoutError, bind
 from .mapping import Piece, model_states, shard_pattern, state_itemsize
 from .model import ModelSpec, TensorSpec
 from .timemodel import Links, lower_bound_bytes, lower_bound_ratio, lower_bound_seconds
-from .topology import Nodes, check_nodes, node_table
+from .topology import DEFAULT_DEVICES_PER_NODE, Nodes, check_nodes, node_table
 
 
 class PlanError(ValueError):
@@ -108,7 +108,7 @@ class Plan:
     groups: list[TensorGroup]
     copies: list[Move]
     transfers: list[Move]
-    gpus_per_node: Nodes
+    devices_per_node: Nodes
     """Where the devices run, as the sources were chosen for: devices per node, or device ->
     node name (:mod:`.topology`)."""
     need: dict[int, int] = field(default_factory=dict)
@@ -232,7 +232,7 @@ def _senders(devices: tuple[int, ...], dead: frozenset[int], proxies: Mapping[in
     return tuple(holders), tuple(owners)
 
 
-def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: Nodes = 8,
+def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, devices_per_node: Nodes = DEFAULT_DEVICES_PER_NODE,
                 dead: Iterable[int] = (), proxies: Mapping[int, int] | None = None,
                 links: Links | None = None, only_device: int | None = None) -> Plan:
     """Plan the switch of ``model`` from ``old`` to ``new`` (layouts carry their devices).
@@ -242,24 +242,24 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: No
     old pieces): ``p`` then serves ``d``'s data, and the moves it reads from the mirror have
     ``owner == d``. ``links`` are the intra- and inter-node bandwidths the sources are chosen
     for (default: H100 NVLink and one 400 Gb/s NIC per GPU, :mod:`.timemodel`).
-    ``gpus_per_node`` says which devices share a node (:mod:`.topology`): devices per node
-    (node ``device // gpus_per_node``), or device -> node name where the real nodes are known
+    ``devices_per_node`` says which devices share a node (:mod:`.topology`): devices per node
+    (node ``device // devices_per_node``), or device -> node name where the real nodes are known
     (a device missing from it is a node of its own); every rank must pass the same. With
     ``only_device``, only the records that involve that device are kept (its own part of the
     plan): exactly the full plan's records for it, in the same order. Sources are chosen by one
     assignment over all devices' loads, so that part costs as much as the full plan.
     """
     t0 = time.perf_counter()
-    check_nodes(gpus_per_node, "gpus_per_node", PlanError)
-    if not isinstance(gpus_per_node, int):
+    check_nodes(devices_per_node, "devices_per_node", PlanError)
+    if not isinstance(devices_per_node, int):
         # The plan keeps the map it was made for: a caller's later edit must not change it.
-        gpus_per_node = dict(gpus_per_node)
+        devices_per_node = dict(devices_per_node)
     # Planning allocates hundreds of thousands of small tuples and no reference cycles: the
     # cyclic collector's passes over them would double the time, so it waits until we are done.
     paused = gc.isenabled()
     gc.disable()
     try:
-        plan = _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device)
+        plan = _plan(model, old, new, devices_per_node, dead, proxies, links, only_device)
     finally:
         if paused:
             gc.enable()
@@ -267,14 +267,14 @@ def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, gpus_per_node: No
     return plan
 
 
-def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> Plan:
+def _plan(model, old, new, devices_per_node, dead, proxies, links, only_device) -> Plan:
     links = links or Links()
     ob, nb = bind(old, model), bind(new, model)
     dead_set = frozenset(dead)
     proxies = dict(proxies or {})
     _validate_devices(ob.layout, nb.layout, dead_set, proxies)
     # Every holder is a device of the old layout or a proxy, every receiver one of the new.
-    nodes = node_table(gpus_per_node, set(ob.layout.device_of) | set(nb.layout.device_of))
+    nodes = node_table(devices_per_node, set(ob.layout.device_of) | set(nb.layout.device_of))
     groups = tensor_groups(model, ob, nb)
     states = model_states(model)
     copies: list[Move] = []
@@ -314,7 +314,7 @@ def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> 
                 classes.setdefault((holders, tuple(remote)), []).append(
                     _Item(nbytes * n_tensors, gi, si, region, op, np_, nbytes, owners))
 
-    transfers, demand = _assign_sources(classes, states, gpus_per_node, nodes, links)
+    transfers, demand = _assign_sources(classes, states, devices_per_node, nodes, links)
     need: dict[int, int] = {}
     for per_r in demand.values():
         for r, b in per_r.items():
@@ -323,7 +323,7 @@ def _plan(model, old, new, gpus_per_node, dead, proxies, links, only_device) -> 
         d = only_device
         copies = [m for m in copies if m.dst == d]
         transfers = [m for m in transfers if m.src == d or m.dst == d]
-    return Plan(model, ob, nb, groups, copies, transfers, gpus_per_node, need, demand=demand,
+    return Plan(model, ob, nb, groups, copies, transfers, devices_per_node, need, demand=demand,
                 links=links)
 
 
@@ -371,7 +371,7 @@ def _split(it: _Item, chunk: float) -> list[_Item]:
     return out
 
 
-def _assign_sources(classes, states, gpus_per_node: Nodes, node: Mapping[int, str],
+def _assign_sources(classes, states, devices_per_node: Nodes, node: Mapping[int, str],
                     links: Links):
     """Choose a holder for every (region, receiver) of every replica class, over all classes at
     once, to minimise the modelled makespan while keeping the busiest device's bytes near
@@ -391,7 +391,7 @@ def _assign_sources(classes, states, gpus_per_node: Nodes, node: Mapping[int, st
     ``1/CHUNKS`` of the byte bound are cut into chunks first so that the choices can balance.
     A local search (:func:`_improve`) then moves single pairs off the costliest device.
     Everything is a deterministic function of the inputs. ``node[d]`` is device ``d``'s node
-    under the node map ``gpus_per_node`` (:func:`~.topology.node_table`); nodes are only
+    under the node map ``devices_per_node`` (:func:`~.topology.node_table`); nodes are only
     compared, so the choices do not depend on how nodes are named.
     """
     demand: dict[tuple[int, ...], dict[int, int]] = {}
@@ -403,12 +403,12 @@ def _assign_sources(classes, states, gpus_per_node: Nodes, node: Mapping[int, st
     if not classes:
         return [], demand
     b_lb = lower_bound_bytes(demand)
-    t_lb = lower_bound_seconds(demand, gpus_per_node, links)
+    t_lb = lower_bound_seconds(demand, devices_per_node, links)
     wi, we, wb = 1 / (links.intra * t_lb), 1 / (links.inter * t_lb), 1 / b_lb
     chunk = b_lb / CHUNKS
     # Where the two bounds provably conflict, a holder on the receiver's node may go as far
     # as the joint bound before the pair looks elsewhere.
-    near_ok = NEAR_OK * lower_bound_ratio(demand, gpus_per_node, links, t_lb, b_lb)
+    near_ok = NEAR_OK * lower_bound_ratio(demand, devices_per_node, links, t_lb, b_lb)
 
     top = 1 + max(max(max(h), max(r)) for h, r in classes)
     isd, esd, ird, erd = [0] * top, [0] * top, [0] * top, [0] * top

@@ -99,13 +99,13 @@ def modelled_seconds(plan: Plan) -> float:
     """The plan's modelled pause on its links (:mod:`.timemodel`)."""
     sizes = [len(g.names) for g in plan.groups]
     ports = port_bytes(((m.src, m.dst, m.nbytes * sizes[m.group]) for m in plan.transfers),
-                       plan.gpus_per_node)
+                       plan.devices_per_node)
     return makespan(ports, plan.links)
 
 
 def lower_bound_time(plan: Plan) -> float:
     """Lower bound on the modelled pause of every single-hop plan (:mod:`.timemodel`)."""
-    return lower_bound_seconds(plan.demand, plan.gpus_per_node, plan.links)
+    return lower_bound_seconds(plan.demand, plan.devices_per_node, plan.links)
 
 
 def plan_stats(plan: Plan) -> PlanStats:
@@ -131,6 +131,6 @@ def plan_stats(plan: Plan) -> PlanStats:
         plan_seconds=round(plan.plan_seconds, 6),
         modelled_seconds=modelled_seconds(plan),
         lower_bound_seconds=(t_lb := lower_bound_time(plan)),
-        lower_bound_joint_ratio=lower_bound_ratio(plan.demand, plan.gpus_per_node, plan.links,
+        lower_bound_joint_ratio=lower_bound_ratio(plan.demand, plan.devices_per_node, plan.links,
                                                   t_lb, lower_bound(plan)),
     )

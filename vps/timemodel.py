@@ -1,7 +1,7 @@
 """The switch's modelled time on a two-tier network, and provable lower bounds on it and on bytes.
 
-**The model.** Devices sit on nodes: ``gpus_per_node`` is the node map of :mod:`.topology`,
-either devices per node (device ``d`` is on node ``d // gpus_per_node``) or device -> the node
+**The model.** Devices sit on nodes: ``devices_per_node`` is the node map of :mod:`.topology`,
+either devices per node (device ``d`` is on node ``d // devices_per_node``) or device -> the node
 it really runs on. A transfer between two devices of one node runs over the intra-node
 link (NVLink: ``intra`` bytes/s per direction), any other over the inter-node link (a NIC per
 GPU: ``inter`` bytes/s per direction). Each device has four independent **ports**: intra-send,
@@ -108,20 +108,20 @@ Demand = Mapping[tuple[int, ...], Mapping[int, int]]
 INTRA_SEND, INTRA_RECV, INTER_SEND, INTER_RECV = range(4)
 
 
-def port_bytes(transfers: Iterable[tuple[int, int, int]], gpus_per_node: Nodes
+def port_bytes(transfers: Iterable[tuple[int, int, int]], devices_per_node: Nodes
                ) -> dict[int, list[int]]:
     """Per device, bytes on its [intra-send, intra-recv, inter-send, inter-recv] ports, from
     ``(src, dst, bytes)`` triples."""
-    check_nodes(gpus_per_node, "gpus_per_node")
+    check_nodes(devices_per_node, "devices_per_node")
     node: dict[int, str] = {}   # filled as devices appear: the triples may be a generator
     ports: dict[int, list[int]] = {}
     for s, r, b in transfers:
         ns = node.get(s)
         if ns is None:
-            ns = node[s] = node_of(gpus_per_node, s)
+            ns = node[s] = node_of(devices_per_node, s)
         nr = node.get(r)
         if nr is None:
-            nr = node[r] = node_of(gpus_per_node, r)
+            nr = node[r] = node_of(devices_per_node, r)
         same = ns == nr
         ps = ports.get(s)
         if ps is None:
@@ -236,19 +236,19 @@ def _node_loads(per_r: Mapping[int, int], holder_nodes, node: Mapping[int, str],
     return into
 
 
-def _demand_nodes(demand: Demand, gpus_per_node: Nodes) -> dict[int, str]:
+def _demand_nodes(demand: Demand, devices_per_node: Nodes) -> dict[int, str]:
     """The node of every holder and receiver in ``demand``."""
     devices = set().union(*demand)
     for per_r in demand.values():
         devices.update(per_r)
-    return node_table(gpus_per_node, devices)
+    return node_table(devices_per_node, devices)
 
 
-def lower_bound_seconds(demand: Demand, gpus_per_node: Nodes, links: Links) -> float:
+def lower_bound_seconds(demand: Demand, devices_per_node: Nodes, links: Links) -> float:
     """Lower bound on the makespan of every single-hop plan for ``demand`` (module docstring)."""
     if not demand:
         return 0.0
-    node = _demand_nodes(demand, gpus_per_node)
+    node = _demand_nodes(demand, devices_per_node)
     intra, inter = links.intra, links.inter
     best = 0.0
     # Receive side.
@@ -303,14 +303,14 @@ def lower_bound_seconds(demand: Demand, gpus_per_node: Nodes, links: Links) -> f
     return best
 
 
-def lower_bound_ratio(demand: Demand, gpus_per_node: Nodes, links: Links, seconds: float,
+def lower_bound_ratio(demand: Demand, devices_per_node: Nodes, links: Links, seconds: float,
                       nbytes: int) -> float:
     """Lower bound on ``max(pause / seconds, busiest bytes / nbytes)`` over all single-hop plans,
     given the two bounds ``seconds`` and ``nbytes`` (module docstring: where it is above 1 the
     two bounds cannot both be met, whatever the plan)."""
     if not demand or seconds <= 0 or nbytes <= 0:
         return 1.0
-    node = _demand_nodes(demand, gpus_per_node)
+    node = _demand_nodes(demand, devices_per_node)
     per_intra = min(seconds * links.intra, nbytes)  # what one port may carry at ratio 1
     per_inter = min(seconds * links.inter, nbytes)
     best = 1.0

@@ -22,6 +22,9 @@ from collections.abc import Iterable, Mapping
 from typing import Union
 
 Nodes = Union[int, Mapping[int, str]]
+DEFAULT_DEVICES_PER_NODE = 8
+"""Devices per node where nothing says otherwise: an HGX/DGX server's eight GPUs. The one
+default of the node map (a planner argument, a profile's field, a CLI flag's default)."""
 """Where devices run: devices per node (node = device // it), or device -> node name. A device
 missing from a mapping counts as a node of its own."""
 
@@ -53,7 +56,7 @@ def check_nodes(nodes: Nodes, name: str, error: type[Exception] = ValueError) ->
     return nodes
 
 
-def node_table(nodes: Nodes, devices: Iterable[int], name: str = "gpus_per_node",
+def node_table(nodes: Nodes, devices: Iterable[int], name: str = "devices_per_node",
                error: type[Exception] = ValueError) -> dict[int, str]:
     """``{device: node_of(nodes, device)}`` for ``devices``, once ``nodes`` is checked
     (:func:`check_nodes`): the lookup for the hot loops of the planner and the time model (a

@@ -283,7 +283,7 @@ def _recovery4_rank(rank, world, store, results, dev, timeout_s, *, model, old, 
     # trainer's before_update hook) waits for, and the mirrors are waited for before the
     # step's report all-reduce.
     red = Redundancy(old_bound, rank, mgr.build_group(0, "redundancy", list(range(world))),
-                     ranks_per_node=1, calls_before_update=True)
+                     devices_per_node=1, calls_before_update=True)
     red.snapshot(t.local_state())
     for _ in range(steps):
         t.train_step(before_report=red.wait_mirror, before_update=red.before_update)
@@ -312,7 +312,7 @@ def _recovery4_rank(rank, world, store, results, dev, timeout_s, *, model, old, 
     own, mirrors = red.holdings()
     store.set(f"holdings/{rank}", json.dumps([own, mirrors]))
     held = {d: json.loads(store.get(f"holdings/{d}")) for d in survivors}
-    needs = recovery_needs(old_bound, [victim], ranks_per_node=1)
+    needs = recovery_needs(old_bound, [victim], devices_per_node=1)
     step = restore_step({d: h[0] for d, h in held.items()}, {d: h[1] for d, h in held.items()},
                         needs)
     if step != saved.step:

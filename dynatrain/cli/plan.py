@@ -16,6 +16,7 @@ import json
 
 from dynatrain.cli.errors import UsageError
 from dynatrain.vps.layout import LayoutError, parse_layout
+from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 from dynatrain.vps.presets import load_model
 from dynatrain.vps.placement import place_devices
 from dynatrain.vps.planner import plan_switch
@@ -78,7 +79,7 @@ def register(sub) -> None:
     p.add_argument("--keep-rank-order", action="store_true",
                    help="give new rank i the i-th device of --to-devices; by default the "
                    "planner picks which device takes which rank so that data stays in place")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+    p.add_argument("--devices-per-node", "--gpus-per-node", type=int, default=DEFAULT_DEVICES_PER_NODE, metavar="N",
                    help="devices per node: device d is on node d // N; transfers inside a "
                    "node use --intra-gbps, others --inter-gbps (default 8)")
     p.add_argument("--intra-gbps", type=float, default=DEFAULT_INTRA_GBPS, metavar="G",
@@ -141,7 +142,7 @@ def _links(args) -> Links:
     return Links.from_gbps(args.intra_gbps, args.inter_gbps)
 
 
-def _plan(model, old, new, old_devices, new_devices, dead, keep_rank_order, gpus_per_node,
+def _plan(model, old, new, old_devices, new_devices, dead, keep_rank_order, devices_per_node,
           links):
     for name, layout, devices in (("--from", old, old_devices), ("--to", new, new_devices)):
         if devices is not None and len(devices) != layout.world:
@@ -153,12 +154,12 @@ def _plan(model, old, new, old_devices, new_devices, dead, keep_rank_order, gpus
         new = new.with_devices(new_devices)
     else:
         new = place_devices(model, old, new, new_devices)
-    return plan_switch(model, old, new, gpus_per_node=gpus_per_node, dead=dead, links=links)
+    return plan_switch(model, old, new, devices_per_node=devices_per_node, dead=dead, links=links)
 
 
 def run_plan(args) -> int:
-    if args.gpus_per_node < 1:
-        raise UsageError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
+    if args.devices_per_node < 1:
+        raise UsageError(f"--devices-per-node={args.devices_per_node} must be >= 1")
     links = _links(args)
     given = [f for f, v in (("--model", args.model), ("--from", args.old), ("--to", args.new))
              if v is not None]
@@ -177,7 +178,7 @@ def run_plan(args) -> int:
     new_devices = parse_devices(args.to_devices, "--to-devices")
     dead = parse_devices(args.dead_devices, "--dead-devices") or ()
     plan = _plan(model, old, new, old_devices, new_devices, dead, args.keep_rank_order,
-                 args.gpus_per_node, links)
+                 args.devices_per_node, links)
     if args.verify:
         verify_plan(plan, frozenset(dead))
     stats = plan_stats(plan)
@@ -192,7 +193,7 @@ def run_plan(args) -> int:
                    devices_from=list(plan.old.device_of), devices_to=list(plan.new.device_of),
                    ratio_to_bound=round(stats.ratio_to_bound, 4),
                    time_ratio_to_bound=round(stats.time_ratio_to_bound, 4),
-                   gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps,
+                   devices_per_node=args.devices_per_node, intra_gbps=args.intra_gbps,
                    inter_gbps=args.inter_gbps, verified=bool(args.verify))
         print(json.dumps(out))
         return 0
@@ -244,7 +245,7 @@ def run_memory(args, given) -> int:
         try:
             rep = memory_report(model, old, profile, global_batch_size=args.global_batch,
                                 micro_batch_size=args.micro_batch, seq_len=args.seq_len,
-                                new_layout=new, nodes=args.gpus_per_node,
+                                new_layout=new, nodes=args.devices_per_node,
                                 activation_checkpointing=args.activation_checkpointing,
                                 mirror_bytes_per_second=mirror)
         except SolverError as e:
@@ -269,7 +270,7 @@ def _estimate_row(name, plan, stats, published, published_text) -> dict:
 
 
 def _estimate_json(rows, args, links) -> dict:
-    return {"gpus_per_node": args.gpus_per_node, "intra_gbps": args.intra_gbps,
+    return {"devices_per_node": args.devices_per_node, "intra_gbps": args.intra_gbps,
             "inter_gbps": args.inter_gbps, "cases": rows}
 
 
@@ -278,7 +279,7 @@ def run_estimate(args, links) -> int:
     for name, model, old, new, to_devices, dead, published, text in PAPER_CASES:
         plan = _plan(load_model(model), parse_layout(old), parse_layout(new), None,
                      tuple(to_devices) if to_devices is not None else None, tuple(dead),
-                     False, args.gpus_per_node, links)
+                     False, args.devices_per_node, links)
         rows.append(_estimate_row(name, plan, plan_stats(plan), published, text))
     print(json.dumps(_estimate_json(rows, args, links)) if args.json
           else render_estimate(rows, args, links))
@@ -286,7 +287,7 @@ def run_estimate(args, links) -> int:
 
 
 def render_estimate(rows, args, links) -> str:
-    lines = [f"modelled pause on nodes of {args.gpus_per_node} GPUs, {args.intra_gbps:g} Gb/s "
+    lines = [f"modelled pause on nodes of {args.devices_per_node} GPUs, {args.intra_gbps:g} Gb/s "
              f"inside a node, {args.inter_gbps:g} Gb/s between",
              "  nodes (per GPU and direction)",
              "  model: each device's NVLink and NIC ports send and receive at once; the pause",
@@ -352,7 +353,7 @@ def render_plan(plan, stats, verified: bool = False) -> str:
         f"(busiest / bound = {stats.ratio_to_bound:.3f})",
         f"  {'modelled pause':<28}{stats.modelled_seconds:>12.3f} s   "
         f"(NVLink {plan.links.intra * 8 / 1e9:g} Gb/s, NIC {plan.links.inter * 8 / 1e9:g} "
-        f"Gb/s, {plan.gpus_per_node} GPUs per node)",
+        f"Gb/s, {plan.devices_per_node} GPUs per node)",
         f"  {'lower bound on the pause':<28}{stats.lower_bound_seconds:>12.3f} s   "
         f"(modelled / bound = {stats.time_ratio_to_bound:.3f})",
         *([f"  {'both bounds at once':<28}{'':>14}   no plan is within "

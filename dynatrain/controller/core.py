@@ -27,6 +27,7 @@ from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
+from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from . import decide
 from .costmodel import SolverError
@@ -75,7 +76,7 @@ class LayoutRequest:
 class JobController:
     def __init__(self, job: JobSpec, *, rendezvous: str, profile: DeviceProfile,
                  metrics: Metrics | None = None, policy: Policy | None = None,
-                 timeouts: Timeouts = Timeouts(), devices_per_node: int = 8, log=print):
+                 timeouts: Timeouts = Timeouts(), devices_per_node: int = DEFAULT_DEVICES_PER_NODE, log=print):
         self.job, self.rendezvous, self.profile = job, rendezvous, profile
         self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
                                           reasons=REASONS)
@@ -640,7 +641,7 @@ class JobController:
             if d in old.device_of:
                 self._ingest(d, holdings[d])        # steps reported since the last poll
         choice = choose_restore(self.job.model, old, new, failed, holdings,
-                                gpus_per_node=self._nodes_for(old, new))
+                                devices_per_node=self._nodes_for(old, new))
         start, dead, earlier = old, failed, ""
         if choice is None:
             found = self._previous_restore(new, holdings)
@@ -724,7 +725,7 @@ class JobController:
                 for d, st in kept.items() if st.previous_generation == g}
         dead = tuple(sorted(d for d in prev.device_of if d not in held))
         choice = choose_restore(self.job.model, prev, new, dead, held,
-                                gpus_per_node=self._nodes_for(prev, new))
+                                devices_per_node=self._nodes_for(prev, new))
         return (prev, dead, choice) if choice is not None else None
 
     def _nodes_for(self, *layouts: Layout) -> dict[int, str] | int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dynatrain.vps.layout import Layout
+from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from .costmodel import SolverError
 from .hardware import DeviceProfile
@@ -244,14 +245,14 @@ def acts_on_notice(job: JobSpec) -> bool:
 
 # -- recovery ------------------------------------------------------------------------------------
 def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], holdings: dict,
-                   *, gpus_per_node: int | dict[int, str] = 8
+                   *, devices_per_node: int | dict[int, str] = DEFAULT_DEVICES_PER_NODE
                    ) -> tuple[int, dict[int, int]] | None:
     """The newest step every survivor holds a snapshot of and from which ``new`` can be
     planned, with the mirrors (proxies) that make it whole; None if no step qualifies.
 
     ``holdings``: device -> its Status (snapshot_steps, mirror_of, mirror_steps). The planner
     itself decides whether a step is whole: it fails (PlanError) when some state of a failed
-    device has neither a surviving replica nor a mirror. ``gpus_per_node``: the plan's node
+    device has neither a surviving replica nor a mirror. ``devices_per_node``: the plan's node
     map (devices per node, or device -> node name: :mod:`dynatrain.vps.topology`).
     """
     from dynatrain.vps.planner import PlanError, plan_switch
@@ -267,7 +268,7 @@ def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], hol
             if st.mirror_of in failed and step in st.mirror_steps:
                 proxies[st.mirror_of] = d
         try:
-            plan_switch(model, old, new, gpus_per_node=gpus_per_node, dead=failed,
+            plan_switch(model, old, new, devices_per_node=devices_per_node, dead=failed,
                         proxies=proxies)
         except PlanError:
             continue

@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
+
 GiB = 1 << 30
 TiB = 1 << 40
 
@@ -33,7 +35,7 @@ class DeviceProfile:
     """Achieved collective (bus) bandwidth between devices of one node."""
     inter_node_bytes_per_second: float
     """Achieved collective bandwidth per device across nodes."""
-    devices_per_node: int = 8
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE
     latency_seconds: float = 20e-6
     """Fixed cost of one collective or point-to-point message."""
     group_latency_seconds: tuple[tuple[int, float], ...] = ()

@@ -241,7 +241,7 @@ def _state_bytes(bound, rank: int) -> dict[tuple[str, str], tuple[int, tuple]]:
 def switch_gpu(model: ModelSpec, old: Layout, new: Layout, nodes: Nodes,
                staging_bytes: int = DEFAULT_STAGING_BYTES) -> SwitchGpu:
     """The busiest device's GPU bytes while ``old`` becomes ``new`` (both with devices)."""
-    plan = plan_switch(model, old, new, gpus_per_node=nodes)
+    plan = plan_switch(model, old, new, devices_per_node=nodes)
     rounds = schedule_rounds(plan, staging_bytes, DIRECT_BYTES)
     best = None
     for d in sorted(set(old.device_of) | set(new.device_of)):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.vps import faults
 from dynatrain.vps.layout import Layout
+from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from .decide import SILENT_AFTER_MISSES
 from .timeouts import Timeouts  # noqa: F401  (where callers have always found it)
@@ -94,7 +95,7 @@ class Restore:
 
 def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None, new: Layout,
            rendezvous: str, *, reason: str, timeouts: Timeouts = Timeouts(),
-           devices_per_node: int = 8, staging_bytes: int = 0, restore: Restore | None = None,
+           devices_per_node: int = DEFAULT_DEVICES_PER_NODE, staging_bytes: int = 0, restore: Restore | None = None,
            checkpoint: str = "", watch=None,
            device_nodes: dict[int, str] | None = None) -> SwitchRecord:
     """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``.

@@ -27,7 +27,7 @@ sends one message and receives one) and, whenever no node holds more than half t
 rank's mirror lives on another node: losing a whole node never loses both copies. The node of
 a device is where it really runs when that is known (:data:`~dynatrain.vps.topology.Nodes`:
 device -> node name, from the pods' ``spec.nodeName`` on a cluster), else
-``device // ranks_per_node``; the switch planner reads the same map for its link costs. Every
+``device // devices_per_node``; the switch planner reads the same map for its link costs. Every
 decision here reads only layout metadata, so all ranks derive the same pairs without talking.
 """
 
@@ -58,7 +58,7 @@ _POSTING = object()
 
 
 # -- pure metadata: who mirrors whom, what is unique -----------------------------------------
-def buddy_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
+def buddy_map(layout: Layout, devices_per_node: Nodes = 1) -> tuple[int, ...]:
     """``buddy[r]``: the rank that mirrors rank ``r``'s unique state. A permutation.
 
     Ranks are ordered by (node, device) (:func:`node_of`) and rotated by the size of the
@@ -66,17 +66,17 @@ def buddy_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
     node holds more than half the ranks. With one node (or a node holding every rank) the
     rotation is by one, so each rank still mirrors to another device.
     """
-    if isinstance(ranks_per_node, bool) or (isinstance(ranks_per_node, int)
-                                            and ranks_per_node < 1) \
-            or not isinstance(ranks_per_node, (int, Mapping)):
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer or "
+    if isinstance(devices_per_node, bool) or (isinstance(devices_per_node, int)
+                                            and devices_per_node < 1) \
+            or not isinstance(devices_per_node, (int, Mapping)):
+        raise ValueError(f"devices_per_node={devices_per_node!r} must be a positive integer or "
                          "a mapping of device to node")
     world = layout.world
     devices = layout.device_of
-    order = sorted(range(world), key=lambda r: (node_of(ranks_per_node, devices[r]), devices[r]))
+    order = sorted(range(world), key=lambda r: (node_of(devices_per_node, devices[r]), devices[r]))
     per_node: dict = {}
     for d in devices:
-        n = node_of(ranks_per_node, d)
+        n = node_of(devices_per_node, d)
         per_node[n] = per_node.get(n, 0) + 1
     k = max(per_node.values())
     if k >= world:
@@ -87,9 +87,9 @@ def buddy_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
     return tuple(buddy)
 
 
-def source_map(layout: Layout, ranks_per_node: Nodes = 1) -> tuple[int, ...]:
+def source_map(layout: Layout, devices_per_node: Nodes = 1) -> tuple[int, ...]:
     """``source[r]``: the rank whose unique state rank ``r`` mirrors (the inverse of buddies)."""
-    buddy = buddy_map(layout, ranks_per_node)
+    buddy = buddy_map(layout, devices_per_node)
     source = [0] * len(buddy)
     for r, b in enumerate(buddy):
         source[b] = r
@@ -118,7 +118,7 @@ def unique_shards(bound: BoundLayout, rank: int) -> list[RankShard]:
             if rs.pieces and _replica_count(bound, rs) == 1]
 
 
-def recovery_needs(bound: BoundLayout, dead_devices, ranks_per_node: Nodes = 1
+def recovery_needs(bound: BoundLayout, dead_devices, devices_per_node: Nodes = 1
                    ) -> dict[int, int | None]:
     """Which surviving device must supply the mirror of each dead device.
 
@@ -134,7 +134,7 @@ def recovery_needs(bound: BoundLayout, dead_devices, ranks_per_node: Nodes = 1
         raise ValueError(f"dead device {unknown[0]} is not a device of {lay.to_text()} "
                          f"(devices {list(lay.device_of)})")
     dead = {rank_of[d] for d in dead_devices}
-    buddy = buddy_map(lay, ranks_per_node)
+    buddy = buddy_map(lay, devices_per_node)
     survivors_hold: set = set()
     for r in range(lay.world):
         if r not in dead:
@@ -214,7 +214,7 @@ class SlotSizes:
     """One mirror slot: the source's unique state (two are kept); 0 without a source."""
 
 
-def slot_sizes(bound: BoundLayout, rank: int, ranks_per_node: Nodes = 1,
+def slot_sizes(bound: BoundLayout, rank: int, devices_per_node: Nodes = 1,
                mirror: bool = True) -> SlotSizes:
     """The sizes of ``rank``'s snapshot and mirror slots under ``bound`` (no allocation)."""
     own, unique = rank_shards(bound, rank), unique_shards(bound, rank)
@@ -224,7 +224,7 @@ def slot_sizes(bound: BoundLayout, rank: int, ranks_per_node: Nodes = 1,
                                unique_end)
     mirror_end = 0
     if mirror and bound.layout.world > 1:
-        source = source_map(bound.layout, ranks_per_node)[rank]
+        source = source_map(bound.layout, devices_per_node)[rank]
         src_unique = unique_shards(bound, source)
         if src_unique:
             mirror_end = _layout_entries(src_unique, _HEADER)[1]
@@ -271,7 +271,7 @@ class Redundancy:
     """
 
     def __init__(self, bound: BoundLayout, rank: int, group, *, mirror: bool = True,
-                 ranks_per_node: Nodes = 1, wait=None, buffers: HostBuffers | None = None,
+                 devices_per_node: Nodes = 1, wait=None, buffers: HostBuffers | None = None,
                  mirror_buffers: HostBuffers | None = None, post_in_background: bool = False,
                  calls_before_update: bool = False):
         """``buffers``: where the snapshot slots come from (by default a pool of this
@@ -312,8 +312,8 @@ class Redundancy:
         self._mirror_entries: list[_Entry] = []
         self._mirror_slots: list[_Slot] = []
         if mirror and lay.world > 1:
-            buddy = buddy_map(lay, ranks_per_node)[rank]
-            source = source_map(lay, ranks_per_node)[rank]
+            buddy = buddy_map(lay, devices_per_node)[rank]
+            source = source_map(lay, devices_per_node)[rank]
             if unique:
                 self.buddy = buddy
             src_unique = unique_shards(bound, source)

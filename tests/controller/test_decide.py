@@ -181,10 +181,10 @@ def test_restore_takes_the_newest_step_that_is_whole():
     model = JOB.model
     # Device 1 (stage 1) died; device 0 mirrors it at step 9 only: step 10 is not whole.
     held = {0: holding([9, 10], mirror_of=1, mirrors=[9])}
-    assert decide.choose_restore(model, old, new, (1,), held, gpus_per_node=8) == (9, {1: 0})
+    assert decide.choose_restore(model, old, new, (1,), held, devices_per_node=8) == (9, {1: 0})
     # No mirror of the dead stage at all: nothing in memory (the caller reads a checkpoint).
     assert decide.choose_restore(model, old, new, (1,), {0: holding([9, 10])},
-                                 gpus_per_node=8) is None
+                                 devices_per_node=8) is None
 
 
 # -- event replays: a sequence of signals, the controller's state kept by the replay ---------------

@@ -91,7 +91,7 @@ def test_buddies_follow_the_real_nodes_of_the_devices(placement):
 
 
 def test_bad_ranks_per_node_is_named():
-    with pytest.raises(ValueError, match="ranks_per_node=0"):
+    with pytest.raises(ValueError, match="devices_per_node=0"):
         buddy_map(parse_layout("dp=2"), 0)
 
 
@@ -159,14 +159,14 @@ def test_recovery_needs_names_the_buddy_or_none():
     b = bound_of("gpt-tiny", "dp=2,zero=1")
     assert recovery_needs(b, [1]) == {1: 0}
     b = bound_of("gpt-tiny", "dp=2,pp=2,zero=1")
-    assert recovery_needs(b, [1], ranks_per_node=2) == {1: 3}
-    assert recovery_needs(b, [0, 3], ranks_per_node=2) == {0: 2, 3: 1}
-    assert recovery_needs(b, [1, 3], ranks_per_node=2) == {1: None, 3: None}  # buddies
+    assert recovery_needs(b, [1], devices_per_node=2) == {1: 3}
+    assert recovery_needs(b, [0, 3], devices_per_node=2) == {0: 2, 3: 1}
+    assert recovery_needs(b, [1, 3], devices_per_node=2) == {1: None, 3: None}  # buddies
     # Node 0 (ranks 0, 1) holds both replicas of stage 0's parameters: mirrors cover only
     # unique state, so losing that node loses them.
-    assert recovery_needs(b, [0, 1], ranks_per_node=2) == {0: None, 1: None}
+    assert recovery_needs(b, [0, 1], devices_per_node=2) == {0: None, 1: None}
     # The rule end to end: survivors' reports -> the step to restore.
-    needs = recovery_needs(b, [0, 3], ranks_per_node=2)
+    needs = recovery_needs(b, [0, 3], devices_per_node=2)
     assert restore_step({1: [6, 7], 2: [6, 7]}, {1: [6, 7], 2: [6]}, needs) == 6
     assert restore_step({1: [6, 7], 2: [6, 7]}, {1: [6, 7], 2: [6, 7]}, needs) == 7
     with pytest.raises(ValueError, match="dead device 9"):
@@ -194,7 +194,7 @@ def _run_case(rank, mgr, generation, layout, per_node, outdir, *flags):
     bound = bind(lay, cfg.model)
     groups = build_groups(bound, rank, mgr.group_factory(generation, lay))
     red = Redundancy(bound, rank, mgr.build_group(generation, "redundancy", list(range(WORLD))),
-                     ranks_per_node=per_node, post_in_background="background" in flags)
+                     devices_per_node=per_node, post_in_background="background" in flags)
     trainer = Trainer(cfg, groups)
 
     def record():
@@ -249,7 +249,7 @@ def _run_stuck_peer(rank, mgr, generation, store):
     if rank == 1:
         store.wait(["stuck-peer-reported"], timedelta(seconds=60))
         return {}
-    red = Redundancy(bound, rank, group, ranks_per_node=1)
+    red = Redundancy(bound, rank, group, devices_per_node=1)
     tensors = {(rs.tensor.name, rs.state): (
         torch.zeros(rs.local_shape, dtype=TORCH_DTYPES[rs.tensor.dtype]
                     if rs.state == "param" else torch.float32), rs.pieces)

@@ -78,7 +78,7 @@ def _run_case(index: int, case: Case, device: int, store) -> tuple:
     members = sorted((set(old.device_of) | set(new.device_of)) - dead)
     if device not in members:
         return (index, device, "absent", {})
-    plan = plan_switch(model, old, new, gpus_per_node=2, dead=dead, proxies=proxies)
+    plan = plan_switch(model, old, new, devices_per_node=2, dead=dead, proxies=proxies)
     rounds = schedule_rounds(plan, STAGING)
     full = full_state(model, seed=index)
     ob, nb = bind(old, model), bind(new, model)
@@ -149,8 +149,8 @@ def test_the_plan_reads_the_mirror(index):
     case = CASES[index]
     model, old, new, dead = _layouts(case)
     with pytest.raises(PlanError, match="no surviving copy"):
-        plan_switch(model, old, new, gpus_per_node=2, dead=dead)
-    plan = plan_switch(model, old, new, gpus_per_node=2, dead=dead, proxies=case.proxies)
+        plan_switch(model, old, new, devices_per_node=2, dead=dead)
+    plan = plan_switch(model, old, new, devices_per_node=2, dead=dead, proxies=case.proxies)
     verify_plan(plan, dead, case.proxies)
     for d, p in case.proxies.items():
         mirrored = [m for m in plan.copies + plan.transfers if m.owner == d]
