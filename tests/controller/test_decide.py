@@ -236,3 +236,122 @@ def test_replay_a_kill_on_a_doomed_device_is_still_recovered():
     # The notice switched 3 out first, so its death later costs nothing: the job is steady.
     assert taken[0][1:] == ("Switch", "preemption") and taken[1][1] == "Idle"
     assert 3 not in v.layout.device_of
+
+
+# -- the overlap property's random scenarios, replayed as events -----------------------------------
+class Replay:
+    """The controller's part kept as plain state, :func:`decide.next_action` asked at every
+    tick, its actions applied at once: the executor with no agents (a switch always succeeds,
+    a recovery restores over the survivors). Joiners come up two steps after their join, as
+    a worker takes seconds to start."""
+
+    def __init__(self, job, initial: int):
+        self.job, self.auto = job, job
+        self.policy = Policy(cooldown_s=0.0)
+        self.up = set(range(initial))
+        self.doomed, self.failed = set(), set()
+        self.layout = None
+        self.request: Request | None = None
+        self.answers: list[tuple[str, str]] = []
+        self.arriving: list[tuple[int, set[int]]] = []
+        self.next_id = initial
+        self.log: list[tuple[int, str, str | None]] = []
+
+    def view(self, step: int) -> View:
+        return View(now=float(step), layout=self.layout,
+                    usable=tuple(sorted(self.up - self.doomed)),
+                    doomed=frozenset(self.doomed), failed=frozenset(self.failed), step=step,
+                    last_step_at=float(step), give_up_s=600.0, request=self.request)
+
+    def event(self, step: int, ev: dict) -> None:
+        kind = next(k for k in ev if k != "atStep")
+        body = ev[kind]
+        if kind == "join":
+            new = set(range(self.next_id, self.next_id + body))
+            self.next_id += body
+            self.arriving.append((step + 2, new))
+        elif kind == "layout":
+            want = parse_layout(body)
+            self.job = replace(self.job, mode="fixed", layout=want)
+            if want.same_shape(self.layout):         # JobController.request_layout's answer
+                self.answers.append(("applied", "already running"))
+                self.request = None
+            else:
+                self.request = Request(want)
+        else:
+            # The scenario names workers by their start order, which is their device id.
+            (victim,) = body["workers"]
+            if kind in ("preempt", "evict"):
+                self.doomed.add(victim)
+            else:                               # kill, hang (the watchdog's verdict)
+                self.up.discard(victim)
+                if self.layout is not None and victim in self.layout.device_of:
+                    self.failed.add(victim)
+
+    def tick(self, step: int) -> None:
+        for at, new in [a for a in self.arriving if a[0] <= step]:
+            self.up |= new
+            self.arriving.remove((at, new))
+        for _ in range(4):                       # the real loop ticks several times a step
+            a = decide.next_action(self.view(step), self.policy, self.job, PROFILE)
+            assert not isinstance(a, GiveUp), (step, a.why)
+            if isinstance(a, Recover):
+                d = self.policy.decide(self.job, PROFILE, self.layout,
+                                       sorted(self.up - self.doomed),
+                                       self.doomed | self.failed, step)
+                self.failed.clear()
+                a = Switch(d) if d is not None else Idle()
+                self.log.append((step, "recover", None))
+            if isinstance(a, Refuse):
+                self.answers.append(("refused", a.why))
+                self.request, self.job = None, replace(self.job, layout=self.layout)
+                continue
+            if getattr(a, "answer", None) is not None:
+                self.answers.append((a.answer.state, a.answer.text))
+            if not isinstance(a, Switch):
+                return
+            self.layout = a.decision.layout
+            self.log.append((step, "switch", a.decision.reason))
+            if self.request is not None and self.request.layout.same_shape(self.layout):
+                self.answers.append(("applied", self.layout.to_text()))
+                self.request = None
+            if a.decision.reason in decide.VOLUNTARY:
+                self.policy.record_voluntary()
+            gone = self.doomed - set(self.layout.device_of)       # left: their pods go
+            self.up -= gone
+            self.doomed -= gone
+
+
+def _replay_scenario(seed: int) -> Replay:
+    from dynatrain.bench import overlap
+    from dynatrain.controller.job import job_from_manifest
+
+    job = job_from_manifest(overlap.job_manifest())
+    sc = overlap.random_scenario(seed)
+    r = Replay(job, sc["initialWorkers"])
+    events = {}
+    for ev in sc["events"]:
+        events.setdefault(ev["atStep"], []).append(ev)
+    for step in range(overlap.STEPS):
+        for ev in events.get(step, []):
+            r.event(step, ev)
+        r.tick(step)
+        live = r.up - r.doomed
+        # Acted on within the tick: the running layout holds no device that is gone, dead
+        # or doomed, and uses only devices that are up.
+        assert set(r.layout.device_of) <= live, (seed, step, r.layout, live)
+    return r
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_overlapping_events_replayed(seed):
+    r = _replay_scenario(seed)
+    assert r.layout is not None and not r.failed
+    # Every request was answered: applied, refused, or (still) waiting for capacity with
+    # the count it needs.
+    if r.request is not None:
+        assert r.answers and r.answers[-1][0] in ("waiting", "pending"), r.answers
+        assert r.request.layout.world > len(r.up - r.doomed) or r.answers[-1][0] == "pending"
+    # Growth took what was there: in auto mode the job ends on as many devices as fit.
+    if r.job.mode == "auto":
+        assert r.layout.world >= min(4, len(r.up - r.doomed)) or r.layout.world == 4
