@@ -74,7 +74,7 @@ LIBRARIES = [
 ]
 
 
-# cert-manager's Certificates of a job with spec.agent.issuerRef (operator/runtime.py
+# cert-manager's Certificates of a job with spec.agent.issuerRef (operator/jobtls.py
 # _issued_pki, through ``self.cert_manager``, a CustomObjectsApi this scan does not read).
 CERT_MANAGER = [(verb, "cert-manager.io", "certificates", "", JOBS)
                 for verb in ("get", "create", "patch")]
