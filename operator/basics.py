@@ -92,3 +92,55 @@ def api_message(e: ApiException) -> str:
 
 def now():
     return datetime.datetime.now(datetime.timezone.utc)
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What every room of one job's runtime is handed (:mod:`.pods`, :mod:`.jobtls`): the job's
+    identity, the operator's settings and API, and callables for what changes between passes.
+    One value instead of a back-reference to the whole runtime, so a room's reach is visible."""
+
+    core: object
+    """The CoreV1Api."""
+    namespace: str
+    name: str
+    uid: str
+    settings: Settings
+    log: object
+    """(text) -> a log line."""
+    event: object
+    """(type, reason, message) -> an Event on the job."""
+    conditions: object
+    """The job's :class:`~.status.Conditions`."""
+    job: object
+    """() -> the job (the parsed spec)."""
+    body: object
+    """() -> the DynaTrainJob as last read."""
+    generation: object
+    """() -> its metadata.generation."""
+    controller: object
+    """() -> its JobController."""
+
+
+class Room:
+    """A room of a job's runtime: the context's parts as attributes, the changing ones as
+    properties (read at use, as the runtime's own attributes were)."""
+
+    def __init__(self, ctx: JobContext):
+        self.ctx = ctx
+        self.core = ctx.core
+        self.namespace, self.name, self.uid = ctx.namespace, ctx.name, ctx.uid
+        self.settings, self.log, self.conditions = ctx.settings, ctx.log, ctx.conditions
+        self._event, self._generation = ctx.event, ctx.generation
+
+    @property
+    def job(self):
+        return self.ctx.job()
+
+    @property
+    def body(self) -> dict:
+        return self.ctx.body()
+
+    @property
+    def controller(self):
+        return self.ctx.controller()

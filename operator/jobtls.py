@@ -27,30 +27,18 @@ from dynatrain.agent.client import AgentClient
 
 from . import cluster as k
 from . import pki
-from .basics import Settings, Waiting as _Waiting, now as _now
-from .status import Conditions
+from .basics import JobContext, Room, Waiting as _Waiting, now as _now
 
 
-class JobTls:
+class JobTls(Room):
     """One job's TLS material and the clients it makes (see the module's docstring)."""
 
-    def __init__(self, *, core: client.CoreV1Api, cert_manager: client.CustomObjectsApi,
-                 namespace: str, name: str, uid: str, settings: Settings, log, event,
-                 conditions: Conditions, job, body, generation, controller, token, ensure):
-        self.core = core
+    def __init__(self, ctx: JobContext, *, cert_manager: client.CustomObjectsApi, token,
+                 ensure):
+        super().__init__(ctx)
         self.cert_manager = cert_manager
         """For cert-manager's Certificates (spec.agent.issuerRef): a rule of their own in the
         chart; tests/k8s/test_operator_rbac.py lists these calls (CERT_MANAGER)."""
-        self.namespace, self.name, self.uid = namespace, name, uid
-        self.settings = settings
-        self.log = log
-        self._event = event
-        """(type, reason, message) -> an Event on the job."""
-        self.conditions = conditions
-        self._job, self._body, self._generation = job, body, generation
-        """() -> the job (parsed spec), () -> its body as last read, () -> its generation."""
-        self._controller = controller
-        """() -> the job's JobController (its clients are re-made here)."""
         self._token = token
         """() -> the agents' token, asked at every call (a rotated authSecret is used at once)."""
         self._ensure = ensure
@@ -63,18 +51,6 @@ class JobTls:
         self.agents_at: dict[int, tuple[str, str]] = {}
         """Device -> (pod IP, pod name) its client dials (to re-make it with new TLS)."""
         self.retired: list[AgentClient] = []
-
-    @property
-    def job(self):
-        return self._job()
-
-    @property
-    def body(self) -> dict:
-        return self._body()
-
-    @property
-    def controller(self):
-        return self._controller()
 
     def ensure_pki(self) -> None:
         """The job's TLS material: its own two CAs and certificates, made and renewed here

@@ -18,36 +18,24 @@ from __future__ import annotations
 
 import time
 
-from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from . import cluster as k
 from . import guard, pki
-from .basics import Backoff, Settings, api_message as _api_message
-from .status import Conditions
+from .basics import Backoff, JobContext, Room, api_message as _api_message
 
 
-class WorkerPods:
+class WorkerPods(Room):
     """One job's worker pods (see the module's docstring)."""
 
-    def __init__(self, *, core: client.CoreV1Api, view, namespace: str, name: str, uid: str,
-                 settings: Settings, log, event, conditions: Conditions, job, body,
-                 generation, controller, secret_name, publish, worker_uids: set[str]):
-        self.core, self.view = core, view
-        self.namespace, self.name, self.uid = namespace, name, uid
-        self.settings = settings
-        self.log = log
-        self._event = event
-        """(type, reason, message) -> an Event on the job."""
-        self.conditions = conditions
-        self._job, self._body, self._generation = job, body, generation
-        """() -> the job (parsed spec), () -> its body as last read, () -> its generation."""
-        self._controller = controller
-        """() -> the job's JobController."""
+    def __init__(self, ctx: JobContext, *, view, secret_name, publish, worker_uids: set[str]):
+        super().__init__(ctx)
+        self.view = view
         self._secret_name = secret_name
         """() -> the name of the Secret with the agents' token (the runtime's objects pass)."""
         self._publish = publish
         """(force) -> the status patched (a created pod's UID is kept there at once)."""
+        settings = ctx.settings
         self.creation = Backoff(settings.backoff_first_s * 5, settings.backoff_max_s)
         self.replacing = Backoff(settings.replace_backoff_first_s, settings.replace_backoff_max_s)
         self.replaced = 0
@@ -67,18 +55,6 @@ class WorkerPods:
         self.next_device = 0
         """Device ids are never reused within a job (a restarted operator starts after the
         highest id it finds)."""
-
-    @property
-    def job(self):
-        return self._job()
-
-    @property
-    def body(self) -> dict:
-        return self._body()
-
-    @property
-    def controller(self):
-        return self._controller()
 
     @property
     def secret_name(self) -> str:

@@ -78,7 +78,7 @@ from dynatrain.controller.policy import Policy
 
 from . import cluster as k
 from . import guard, netpol
-from .basics import Backoff, Settings, Waiting as _Waiting, api_message as _api_message
+from .basics import Backoff, JobContext, Settings, Waiting as _Waiting, api_message as _api_message
 from .basics import now as _now
 from .jobtls import JobTls
 from .pods import WorkerPods
@@ -183,19 +183,16 @@ class JobRuntime:
         self.over = False
         """Succeeded or Failed: nothing is left to do but to keep its pods deleted."""
         self.noticed: set[int] = set()
+        ctx = JobContext(core=self.core, namespace=self.namespace, name=self.name, uid=self.uid,
+                         settings=settings, log=log, event=self.report.event,
+                         conditions=self.conditions, job=lambda: self.job,
+                         body=lambda: self.body, generation=self._generation,
+                         controller=lambda: self.controller)
         self.pods = WorkerPods(
-            core=self.core, view=view, namespace=self.namespace, name=self.name, uid=self.uid,
-            settings=settings, log=log, event=self.report.event, conditions=self.conditions,
-            job=lambda: self.job, body=lambda: self.body, generation=self._generation,
-            controller=lambda: self.controller, secret_name=lambda: self.secret_name,
-            publish=self._publish,
+            ctx, view=view, secret_name=lambda: self.secret_name, publish=self._publish,
             worker_uids=set((body.get("status") or {}).get("workerUIDs") or []))
-        self.jobtls = JobTls(
-            core=self.core, cert_manager=self.custom, namespace=self.namespace, name=self.name,
-            uid=self.uid, settings=settings, log=log, event=self.report.event,
-            conditions=self.conditions, job=lambda: self.job, body=lambda: self.body,
-            generation=self._generation, controller=lambda: self.controller,
-            token=lambda: self.token, ensure=self._ensure)
+        self.jobtls = JobTls(ctx, cert_manager=self.custom, token=lambda: self.token,
+                             ensure=self._ensure)
 
     # -- the pass --------------------------------------------------------------------------------
     def reconcile(self, body: dict) -> float | None:
