@@ -133,7 +133,8 @@ class DeviceManager:
 
     def prepare(self, generation: int, model: ModelSpec, old: Layout | None, new: Layout, *,
                 staging_bytes: int, build_extra: Callable[[int], object] | None = None,
-                devices_per_node: Nodes = DEFAULT_DEVICES_PER_NODE, dead: frozenset[int] = frozenset(),
+                devices_per_node: Nodes = DEFAULT_DEVICES_PER_NODE,
+                dead: frozenset[int] = frozenset(),
                 proxies: dict[int, int] | None = None,
                 preallocate: Callable[[PreparedSwitch], None] | None = None,
                 direct_bytes: int | None = DIRECT_BYTES) -> "Future[PreparedSwitch]":

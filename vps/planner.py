@@ -232,7 +232,8 @@ def _senders(devices: tuple[int, ...], dead: frozenset[int], proxies: Mapping[in
     return tuple(holders), tuple(owners)
 
 
-def plan_switch(model: ModelSpec, old: Layout, new: Layout, *, devices_per_node: Nodes = DEFAULT_DEVICES_PER_NODE,
+def plan_switch(model: ModelSpec, old: Layout, new: Layout, *,
+                devices_per_node: Nodes = DEFAULT_DEVICES_PER_NODE,
                 dead: Iterable[int] = (), proxies: Mapping[int, int] | None = None,
                 links: Links | None = None, only_device: int | None = None) -> Plan:
     """Plan the switch of ``model`` from ``old`` to ``new`` (layouts carry their devices).

@@ -79,7 +79,8 @@ def register(sub) -> None:
     p.add_argument("--keep-rank-order", action="store_true",
                    help="give new rank i the i-th device of --to-devices; by default the "
                    "planner picks which device takes which rank so that data stays in place")
-    p.add_argument("--devices-per-node", "--gpus-per-node", type=int, default=DEFAULT_DEVICES_PER_NODE, metavar="N",
+    p.add_argument("--devices-per-node", "--gpus-per-node", type=int,
+                   default=DEFAULT_DEVICES_PER_NODE, metavar="N",
                    help="devices per node: device d is on node d // N; transfers inside a "
                    "node use --intra-gbps, others --inter-gbps (default 8)")
     p.add_argument("--intra-gbps", type=float, default=DEFAULT_INTRA_GBPS, metavar="G",

@@ -76,7 +76,8 @@ class LayoutRequest:
 class JobController:
     def __init__(self, job: JobSpec, *, rendezvous: str, profile: DeviceProfile,
                  metrics: Metrics | None = None, policy: Policy | None = None,
-                 timeouts: Timeouts = Timeouts(), devices_per_node: int = DEFAULT_DEVICES_PER_NODE, log=print):
+                 timeouts: Timeouts = Timeouts(),
+                 devices_per_node: int = DEFAULT_DEVICES_PER_NODE, log=print):
         self.job, self.rendezvous, self.profile = job, rendezvous, profile
         self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
                                           reasons=REASONS)
@@ -382,7 +383,8 @@ class JobController:
         if isinstance(action, decide.Refuse):
             self._refuse(req, action.why)
             return None
-        if req is not None and getattr(action, "answer", None) is not None:
+        if req is not None and isinstance(action, (decide.Idle, decide.Switch)) \
+                and action.answer is not None:
             self._answer(req, action.answer.state, action.answer.text)
         if not isinstance(action, decide.Switch):
             return None

@@ -23,7 +23,7 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from .decide import SILENT_AFTER_MISSES
-from .timeouts import Timeouts  # noqa: F401  (where callers have always found it)
+from .timeouts import Timeouts
 
 
 class SwitchFailed(RuntimeError):
@@ -95,7 +95,8 @@ class Restore:
 
 def switch(clients: dict[int, AgentClient], generation: int, old: Layout | None, new: Layout,
            rendezvous: str, *, reason: str, timeouts: Timeouts = Timeouts(),
-           devices_per_node: int = DEFAULT_DEVICES_PER_NODE, staging_bytes: int = 0, restore: Restore | None = None,
+           devices_per_node: int = DEFAULT_DEVICES_PER_NODE, staging_bytes: int = 0,
+           restore: Restore | None = None,
            checkpoint: str = "", watch=None,
            device_nodes: dict[int, str] | None = None) -> SwitchRecord:
     """Switch the job from ``old`` to ``new`` (both with devices) as ``generation``.
