@@ -74,7 +74,7 @@ to draw it as one line):
     new rank 0 after a switch goes on from the same total).
 ``dynatrain_mfu`` (gauge)
     Modelled model-FLOPs utilisation: the model's training FLOPs per token (the cost model's
-    count, :func:`dynatrain.controller.stagecost.training_flops_per_token`) times the job's
+    count, :func:`dynatrain.vps.stagecost.training_flops_per_token`) times the job's
     tokens per second, over the peak FLOP/s of all the job's devices (their device profile's
     datasheet peak: H100, A100, ...; on the CPU, the profile's nominal rate).
 ``dynatrain_training_step`` (gauge)

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from dynatrain.controller.job import load_job
+from dynatrain.spec.job import load_job
 from dynatrain.trainer.backend import (BACKENDS, NCCL_CLEAN_UP_ONLY, NCCL_ERROR_HANDLING,
                                        BackendError, asked_for, cuda_index, job_backend,
                                        nccl_error_handling, torch_device)

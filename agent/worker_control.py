@@ -32,9 +32,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dynatrain.controller.hardware import PROFILES, profile_for_gpu_name
-from dynatrain.controller.job import JobSpec
-from dynatrain.controller.stagecost import training_flops_per_token
+from dynatrain.spec.hardware import PROFILES, profile_for_gpu_name
+from dynatrain.spec.job import JobSpec
+from dynatrain.vps.stagecost import training_flops_per_token
 from dynatrain.trainer.checkpoint import CheckpointPathError, check_checkpoint_path
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.hostbuffers import HostBuffers

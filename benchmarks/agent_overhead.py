@@ -32,7 +32,7 @@ from dynatrain.agent.client import AgentClient
 from dynatrain.agent.server import serve
 from dynatrain.agent.v1 import agent_pb2
 from dynatrain.agent.worker_loop import Worker
-from dynatrain.controller.job import job_from_manifest
+from dynatrain.spec.job import job_from_manifest
 from dynatrain.controller.orchestrator import switch
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.trainer import Trainer

@@ -19,7 +19,7 @@ import statistics
 import sys
 
 from dynatrain.controller.costmodel import estimate
-from dynatrain.controller.hardware import PROFILES
+from dynatrain.spec.hardware import PROFILES
 from dynatrain.trainer.config import make_config
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.launch import run_ranks

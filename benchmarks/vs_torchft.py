@@ -155,7 +155,7 @@ def _replica_main(argv: list[str]) -> int:
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.job import load_job
     from dynatrain.trainer.data import token_source
     from dynatrain.trainer.model import StageModel
     from dynatrain.trainer.optim import make_optimizer, set_lr

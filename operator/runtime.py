@@ -70,9 +70,9 @@ from kubernetes.client.rest import ApiException
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller import decide
 from dynatrain.controller.core import JobController, JobFailed, SuspendFailed
-from dynatrain.controller.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
+from dynatrain.spec.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
                                            profile_for_node_labels)
-from dynatrain.controller.job import JobError, job_from_manifest
+from dynatrain.spec.job import JobError, job_from_manifest
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
 

@@ -138,8 +138,8 @@ def test_local_runner_passes_the_backend(tmp_path, monkeypatch):
     """``dynatrain run`` hands every worker its --backend; a GPU worker gets one GPU of its
     own through CUDA_VISIBLE_DEVICES (no process is started here)."""
     from dynatrain.controller import local
-    from dynatrain.controller.hardware import PROFILES
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.hardware import PROFILES
+    from dynatrain.spec.job import load_job
     from dynatrain.controller.scenario import Scenario
 
     started = []

@@ -61,6 +61,9 @@ def test_the_layer_contracts_hold(tree):
     ("controller/core.py", "import dynatrain.devcluster.cluster", "the dev cluster is a tool"),
     ("controller/policy.py", "import grpc", "the decisions"),
     ("controller/decide.py", "from dynatrain.agent import client", "the decisions"),
+    # the job spec sits below the agent and the controller, which both read it
+    ("spec/job.py", "from dynatrain.controller import core", "cli > operator"),
+    ("vps/stagecost.py", "import torch", "vps planning imports no torch"),
 ])
 def test_a_new_violation_breaks_its_contract(tmp_path, module, line, contract):
     tree = _tree(tmp_path)

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import pytest
 
-from dynatrain.controller.hardware import PROFILES
+from dynatrain.spec.hardware import PROFILES
 from dynatrain.controller.memory import (GiB, RedundancyCost, memory_report, pinned_block,
                                          switch_gpu)
 from dynatrain.trainer.redundancy import Redundancy, slot_sizes

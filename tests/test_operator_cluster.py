@@ -254,7 +254,7 @@ def test_a_finished_jobs_ttl_counts_from_its_end():
 def test_the_nodes_gpu_labels_price_the_job():
     from types import SimpleNamespace
 
-    from dynatrain.controller.hardware import PROFILES
+    from dynatrain.spec.hardware import PROFILES
     from dynatrain.operator.runtime import hardware_of
 
     def labelled(name, product=None, memory=None):

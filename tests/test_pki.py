@@ -143,7 +143,7 @@ def test_durations():
 def test_cert_manager_certificates():
     import yaml
 
-    from dynatrain.controller.job import JobError, job_from_manifest
+    from dynatrain.spec.job import JobError, job_from_manifest
 
     from pathlib import Path
 

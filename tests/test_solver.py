@@ -14,9 +14,9 @@ import pytest
 
 from dynatrain.controller import solver
 from dynatrain.controller.costmodel import SolverError, estimate
-from dynatrain.controller.hardware import PROFILES, DeviceProfile
+from dynatrain.spec.hardware import PROFILES, DeviceProfile
 from dynatrain.controller.solver import best_for_devices, candidate_layouts, solve
-from dynatrain.controller.stagecost import mapping_state_bytes, stage_costs
+from dynatrain.vps.stagecost import mapping_state_bytes, stage_costs
 from dynatrain.vps.layout import Layout, bind, layout_problems, parse_layout
 from dynatrain.vps.presets import PRESETS
 
@@ -304,7 +304,7 @@ def test_latency_by_group_size():
     ({}, None),
 ])
 def test_a_nodes_gpu_labels_pick_its_preset(labels, preset):
-    from dynatrain.controller.hardware import profile_for_gpu_name, profile_for_node_labels
+    from dynatrain.spec.hardware import profile_for_gpu_name, profile_for_node_labels
 
     got = profile_for_node_labels(labels)
     assert (got.name if got else None) == preset

@@ -141,8 +141,8 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
     import yaml
 
     from dynatrain.controller.core import JobFailed
-    from dynatrain.controller.hardware import PROFILES
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.hardware import PROFILES
+    from dynatrain.spec.job import load_job
     from dynatrain.controller.local import LocalRunner
     from dynatrain.controller.policy import Policy
     from dynatrain.controller.scenario import Event, Scenario

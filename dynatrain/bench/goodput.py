@@ -213,7 +213,7 @@ def check_capacity(trace: Trace, initial: int, min_workers: int, max_workers: in
 def load_trace(path: str | Path) -> tuple[Trace, dict]:
     """The trace at ``path`` and the job manifest it runs (steps and checkpoint interval set
     from the trace), both checked."""
-    from dynatrain.controller.job import KIND, job_from_manifest
+    from dynatrain.spec.job import KIND, job_from_manifest
 
     path = Path(path)
     if not path.is_file():
@@ -413,8 +413,8 @@ def _runner_class():
 def run_mode(trace_path: str, mode: str, workdir: Path) -> dict:
     """Run the trace's job once here, ``mode`` live or restart; returns what happened."""
     from dynatrain.controller.core import JobFailed
-    from dynatrain.controller.hardware import PROFILES
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.hardware import PROFILES
+    from dynatrain.spec.job import load_job
     from dynatrain.controller.policy import Policy
     from dynatrain.controller.scenario import Scenario
 

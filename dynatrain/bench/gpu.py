@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from dynatrain.controller.job import load_job
+from dynatrain.spec.job import load_job
 
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.config import make_config

@@ -7,7 +7,7 @@ plan, bad job or scenario). This module imports no command module, so every comm
 
 from __future__ import annotations
 
-from dynatrain.controller.job import JobError
+from dynatrain.spec.job import JobError
 from dynatrain.controller.scenario import ScenarioError
 from dynatrain.trainer.config import ConfigError
 from dynatrain.trainer.schedule import ScheduleError

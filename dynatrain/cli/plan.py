@@ -206,7 +206,7 @@ def run_memory(args, given) -> int:
     """``--memory``: :mod:`dynatrain.controller.memory`'s figures, for the built-in cases or
     for the layout (and switch) given."""
     from dynatrain.controller.costmodel import SolverError
-    from dynatrain.controller.hardware import PROFILES
+    from dynatrain.spec.hardware import PROFILES
     from dynatrain.controller.memory import builtin_reports, memory_report, render
 
     if args.profile not in PROFILES:

@@ -96,8 +96,8 @@ def run_job(args) -> int:
         check_out_dir(args.report, "--report")     # now, not after the whole job has trained
     from dynatrain.controller.calibrate import measure_cpu_profile
     from dynatrain.controller.core import JobFailed
-    from dynatrain.controller.hardware import PROFILES
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.hardware import PROFILES
+    from dynatrain.spec.job import load_job
     from dynatrain.controller.local import LocalRunner
     from dynatrain.controller.policy import Policy
     from dynatrain.controller.scenario import Scenario, load_scenario

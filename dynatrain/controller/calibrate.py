@@ -4,7 +4,7 @@
 streaming rates and its host time per operator (~0.2 s); :func:`measure_gloo_link` starts
 processes to time gloo collectives among the ranks the local runner would start, whose
 latency grows to milliseconds when ranks outnumber cores. Both give the figures of a
-:class:`~dynatrain.controller.hardware.DeviceProfile`; the only code of the solver that
+:class:`~dynatrain.spec.hardware.DeviceProfile`; the only code of the solver that
 touches torch (imported lazily, inside the functions).
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from dynatrain.vps.model import ModelSpec
 
 from .costmodel import ADAMW_BYTES_PER_ELEMENT
-from .hardware import PROFILES, DeviceProfile, cpu_cores, machine_memory
-from .stagecost import BLOCK_OPS
+from dynatrain.spec.hardware import PROFILES, DeviceProfile, cpu_cores, machine_memory
+from dynatrain.vps.stagecost import BLOCK_OPS
 
 
 def _best_rate(fn, work: float, repeats: int, budget_s: float) -> float:

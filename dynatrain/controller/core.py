@@ -32,8 +32,8 @@ from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 from . import decide
 from .costmodel import SolverError
 from .decide import choose_restore
-from .hardware import DeviceProfile
-from .job import JobSpec
+from dynatrain.spec.hardware import DeviceProfile
+from dynatrain.spec.job import JobSpec
 from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
 from .policy import Policy
 from .progress import Progress

@@ -4,8 +4,8 @@
 :mod:`dynatrain.controller.solver`, which asks it of every candidate, and for the policy,
 which weighs the running layout against the solver's pick. It is an analytic model of the
 reference trainer (:mod:`dynatrain.trainer`) on a
-:class:`~dynatrain.controller.hardware.DeviceProfile`: pure arithmetic over the model spec and
-the vps mapping (per stage: :mod:`dynatrain.controller.stagecost`), no torch and no
+:class:`~dynatrain.spec.hardware.DeviceProfile`: pure arithmetic over the model spec and
+the vps mapping (per stage: :mod:`dynatrain.vps.stagecost`), no torch and no
 processes, so the controller can weigh a hundred candidate layouts of a 70B model in well
 under a second. The formulas follow.
 
@@ -164,8 +164,8 @@ from dataclasses import dataclass, field, replace
 from dynatrain.vps.layout import Layout, bind, layout_problems
 from dynatrain.vps.model import DTYPE_BYTES, ModelSpec
 
-from .hardware import GiB, DeviceProfile
-from .stagecost import _layer_counts, stage_costs
+from dynatrain.spec.hardware import GiB, DeviceProfile
+from dynatrain.vps.stagecost import _layer_counts, stage_costs
 
 REFERENCE_ZERO_TRAFFIC = {0: 0.0, 1: 1.0, 3: 1.0}
 """Extra parameter-rebuild all-reduces per step, in units of one gradient all-reduce, for the

@@ -29,8 +29,8 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from .costmodel import SolverError
-from .hardware import DeviceProfile
-from .job import JobSpec
+from dynatrain.spec.hardware import DeviceProfile
+from dynatrain.spec.job import JobSpec
 from .policy import Decision, Policy
 
 VOLUNTARY = ("scale-up", "better-layout")

@@ -38,8 +38,8 @@ from dynatrain.agent.worker_control import DEFAULT_GRACE_S
 from dynatrain.trainer.backend import visible_gpu
 
 from .core import JobController, JobFailed
-from .hardware import DeviceProfile
-from .job import JobSpec
+from dynatrain.spec.hardware import DeviceProfile
+from dynatrain.spec.job import JobSpec
 from .orchestrator import Timeouts
 from .policy import Policy
 from .scenario import Event, Scenario

@@ -55,7 +55,7 @@ from dynatrain.vps.rounds import (DEFAULT_STAGING_BYTES, DIRECT_BYTES, schedule_
 from dynatrain.vps.topology import Nodes, node_of
 
 from .costmodel import Estimate, estimate
-from .hardware import DeviceProfile
+from dynatrain.spec.hardware import DeviceProfile
 
 GiB = 1 << 30
 GLOO_TCP_BYTES_PER_SECOND = 3e9

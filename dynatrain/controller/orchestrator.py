@@ -23,7 +23,7 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from .decide import SILENT_AFTER_MISSES
-from .timeouts import Timeouts
+from dynatrain.spec.timeouts import Timeouts
 
 
 class SwitchFailed(RuntimeError):

@@ -35,8 +35,8 @@ from dynatrain.vps.placement import place_devices
 from dynatrain.vps.planner import plan_switch
 
 from .costmodel import Estimate, SolverError, estimate
-from .hardware import DeviceProfile
-from .job import JobSpec
+from dynatrain.spec.hardware import DeviceProfile
+from dynatrain.spec.job import JobSpec
 from .solver import solve
 
 

@@ -4,7 +4,7 @@ The controller asks this module *what is the best layout for n devices?* (:func:
 :func:`best_for_devices`). It lists every valid layout of the devices whose data-parallel
 degree divides the batch (:func:`candidate_layouts`), prices each with
 :func:`dynatrain.controller.costmodel.estimate` on a
-:class:`~dynatrain.controller.hardware.DeviceProfile`, and ranks the ones that fit in memory
+:class:`~dynatrain.spec.hardware.DeviceProfile`, and ranks the ones that fit in memory
 (throughput, then deterministic tie-breaks). When nothing fits it raises
 :class:`~dynatrain.controller.costmodel.SolverError` naming why.
 
@@ -25,7 +25,7 @@ from dynatrain.vps.layout import Layout, layout_problems
 from dynatrain.vps.model import ModelSpec
 
 from .costmodel import Estimate, SolverError, check_batch, estimate, format_gib
-from .hardware import DeviceProfile
+from dynatrain.spec.hardware import DeviceProfile
 
 
 def _divisors(n: int) -> list[int]:

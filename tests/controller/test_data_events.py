@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dynatrain.controller.job import job_from_manifest
+from dynatrain.spec.job import job_from_manifest
 from dynatrain.trainer.launch import run_local
 from dynatrain.vps.layout import parse_layout
 

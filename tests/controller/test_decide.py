@@ -14,8 +14,8 @@ import pytest
 from dynatrain.controller import decide
 from dynatrain.controller.decide import (Finished, GiveUp, Idle, InFlight, Recover, Refuse,
                                          Request, Switch, View)
-from dynatrain.controller.hardware import PROFILES
-from dynatrain.controller.job import load_job
+from dynatrain.spec.hardware import PROFILES
+from dynatrain.spec.job import load_job
 from dynatrain.controller.policy import Policy
 from dynatrain.vps.layout import parse_layout
 
@@ -324,7 +324,7 @@ class Replay:
 
 def _replay_scenario(seed: int) -> Replay:
     from dynatrain.bench import overlap
-    from dynatrain.controller.job import job_from_manifest
+    from dynatrain.spec.job import job_from_manifest
 
     job = job_from_manifest(overlap.job_manifest())
     sc = overlap.random_scenario(seed)

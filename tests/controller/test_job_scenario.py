@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynatrain.controller.job import JobError, job_from_manifest, load_job
+from dynatrain.spec.job import JobError, job_from_manifest, load_job
 from dynatrain.controller.scenario import ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]

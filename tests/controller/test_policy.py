@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from dynatrain.controller.costmodel import SolverError
-from dynatrain.controller.hardware import PROFILES
-from dynatrain.controller.job import load_job
+from dynatrain.spec.hardware import PROFILES
+from dynatrain.spec.job import load_job
 from dynatrain.controller.policy import Policy
 from dynatrain.vps.layout import parse_layout
 
@@ -77,7 +77,7 @@ def test_too_few_workers_is_an_error_naming_min_workers(job):
 
 
 def test_parallelism_limits_bound_the_solver(job):
-    from dynatrain.controller.job import Limits
+    from dynatrain.spec.job import Limits
 
     free = Policy().decide(job, PROFILE, None, [0, 1, 2, 3], set(), 0).layout
     bounded = replace(job, limits=Limits(max_pp=1, max_tp=1, zero_stages=(0,)))

@@ -144,8 +144,8 @@ def test_a_recovery_accounts_the_reads_no_record_reached(tmp_path):
     # counted once, and a read that was reported must not be counted again. A joiner that
     # never reported anything (its _seen is 0) must not make up reads of steps before it.
     from dynatrain.controller.core import JobController
-    from dynatrain.controller.hardware import PROFILES
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.hardware import PROFILES
+    from dynatrain.spec.job import load_job
 
     job = load_job(_job(tmp_path, "dp=4"))
     gbs = job.global_batch_size
@@ -187,8 +187,8 @@ def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
     from types import SimpleNamespace
 
     from dynatrain.controller.core import JobController
-    from dynatrain.controller.hardware import PROFILES
-    from dynatrain.controller.job import load_job
+    from dynatrain.spec.hardware import PROFILES
+    from dynatrain.spec.job import load_job
     from dynatrain.vps.layout import parse_layout
 
     job = load_job(_job(tmp_path, "dp=4"))

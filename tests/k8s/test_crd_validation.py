@@ -32,7 +32,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from dynatrain.controller.job import JobError, job_from_manifest
+from dynatrain.spec.job import JobError, job_from_manifest
 from dynatrain.devcluster.processes import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -738,7 +738,7 @@ def test_global_batch_default_reaches_objects_stored_before_it(devcluster, names
 def test_every_reserved_checkpoint_directory_is_refused_by_both(custom, namespace):
     # Each directory of the list, itself, with a trailing slash and below it, is refused by
     # the apiserver and the parser alike; a name that only starts like one is accepted by both.
-    from dynatrain.controller.job import OPERATOR_MOUNTS, SYSTEM_DIRS
+    from dynatrain.spec.job import OPERATOR_MOUNTS, SYSTEM_DIRS
 
     reserved = [*OPERATOR_MOUNTS, *SYSTEM_DIRS]
     for n, d in enumerate(["/", *reserved]):
@@ -853,7 +853,7 @@ def test_parser_rejects_what_it_checks(case):
 
 def test_reserved_ports_and_paths_match_the_operator():
     # The port and the mounts the CRD and the parser keep free are the worker pod's.
-    from dynatrain.controller import job
+    from dynatrain.spec import job
     from dynatrain.operator import cluster
 
     assert job.WORKER_METRICS_PORT == cluster.METRICS_PORT

@@ -372,7 +372,7 @@ def _manifest(data) -> dict:
 
 
 def test_manifest_data_forms_reach_the_trainer_config(tmp_path):
-    from dynatrain.controller.job import job_from_manifest
+    from dynatrain.spec.job import job_from_manifest
     from dynatrain.vps.layout import parse_layout
 
     a = windows_file(tmp_path / "a.bin", 10, 4)
@@ -398,7 +398,7 @@ def test_manifest_data_forms_reach_the_trainer_config(tmp_path):
     (7, "must be 'synthetic', a path, a list of sources"),
 ])
 def test_manifest_data_problems_name_the_field(data, needle):
-    from dynatrain.controller.job import JobError, job_from_manifest
+    from dynatrain.spec.job import JobError, job_from_manifest
 
     with pytest.raises(JobError) as e:
         job_from_manifest(_manifest(data))

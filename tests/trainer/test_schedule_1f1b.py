@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 
 from dynatrain.controller.costmodel import SolverError, estimate
-from dynatrain.controller.hardware import PROFILES
+from dynatrain.spec.hardware import PROFILES
 from dynatrain.controller.solver import solve
 from dynatrain.trainer.config import make_config
 from dynatrain.trainer.groups import build_groups
@@ -184,7 +184,7 @@ def test_spec_training_activation_checkpointing_reaches_the_trainer_config():
 
     import yaml
 
-    from dynatrain.controller.job import JobError, job_from_manifest
+    from dynatrain.spec.job import JobError, job_from_manifest
 
     doc = yaml.safe_load((Path(__file__).parents[2] / "examples" / "quickstart.yaml").read_text())
     doc["spec"].setdefault("training", {})["activationCheckpointing"] = True

@@ -6,8 +6,9 @@ bandwidth and latency, host time per operator) and how a world of ranks sees the
 ranks are worker processes sharing one machine's cores. :data:`PROFILES` has presets for
 H100, H200, A100 (80 and 40 GB), L40S, L4 and this machine's CPU, and
 :func:`profile_for_gpu_name` / :func:`profile_for_node_labels` pick one from what CUDA or a
-node's GPU feature discovery labels call the GPU; :mod:`dynatrain.controller.calibrate` measures the CPU one.
-Plain data and arithmetic: no torch.
+node's GPU feature discovery labels call the GPU; :mod:`dynatrain.controller.calibrate`
+measures the CPU one. Plain data and arithmetic: no torch. It sits in :mod:`dynatrain.spec`
+because the worker reads it too (to name its own device).
 """
 
 from __future__ import annotations
