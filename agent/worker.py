@@ -28,8 +28,10 @@ lazy setup has been paid. Everything else arrives through the agent:
 RPCs run on the gRPC server's threads and only exchange small messages with the training loop
 under a lock, so an RPC (good or bad) never blocks or crashes a step. The agent's side is
 :mod:`dynatrain.agent.worker_control`, the training loop :mod:`dynatrain.agent.worker_loop`;
-this module is the process around them (``python -m dynatrain.agent.worker``): its command
-line, torch's warm-up, the agent's servers, signals and the watch on the parent process.
+:class:`Worker` owns one of each (the loop holds a reference to the control, whose state the
+two share), and the agent serves its ``control``. This module is the process around them
+(``python -m dynatrain.agent.worker``): its command line, torch's warm-up, the agent's
+servers, signals and the watch on the parent process.
 
 On a cluster the agent serves mutual TLS from the job's Secret (``--tls-dir``; the caller's
 certificate must name ``--tls-client-name``) with the bearer token as a second factor, and the
@@ -51,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from dynatrain.spec.job import load_job
+from dynatrain.spec.job import JobSpec, load_job
 from dynatrain.trainer.backend import (BACKENDS, NCCL_CLEAN_UP_ONLY, NCCL_ERROR_HANDLING,
                                        BackendError, asked_for, cuda_index, job_backend,
                                        nccl_error_handling, torch_device)
@@ -60,8 +62,37 @@ from dynatrain.trainer.trainer import warm_up
 from .auth import DEFAULT_CLIENT_NAME, AuthConfigError
 from .metrics import REASONS, Metrics
 from .server import serve
-from .worker_control import DEFAULT_GRACE_S
-from .worker_loop import Worker
+from .worker_control import DEFAULT_GRACE_S, WorkerControl
+from .worker_loop import TrainingLoop
+
+
+class Worker:
+    """One worker, in two parts: :attr:`control`, its state and the agent's Control over it
+    (served on the gRPC threads), and :attr:`loop`, the training loop over that state (the
+    main thread), which holds a reference to the control."""
+
+    def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
+                 metrics: Metrics | None = None, torch_device: torch.device | None = None,
+                 checkpoint_dir: str = "", save_hf: str = "",
+                 checkpoint_sources: tuple[str, ...] | list[str] = (),
+                 tensorboard_dir: str = "", log_every: int = 0):
+        self.control = WorkerControl(job, device, backend=backend, metrics=metrics,
+                                     torch_device=torch_device, checkpoint_dir=checkpoint_dir,
+                                     checkpoint_sources=checkpoint_sources)
+        self.loop = TrainingLoop(self.control, save_hf=save_hf,
+                                 tensorboard_dir=tensorboard_dir, log_every=log_every)
+
+    def run(self) -> int:
+        """Run the training loop on this thread until it ends; the process's exit code."""
+        return self.loop.run()
+
+    def stop(self) -> None:
+        """:meth:`TrainingLoop.stop`: end at the next step boundary (signal-safe)."""
+        self.loop.stop()
+
+    def leave(self) -> None:
+        """:meth:`TrainingLoop.leave`: told to leave, a notice (signal-safe)."""
+        self.loop.leave()
 
 
 def _watch_parent(pid: int, worker: Worker) -> None:
@@ -70,7 +101,8 @@ def _watch_parent(pid: int, worker: Worker) -> None:
     def watch():
         while os.getppid() == pid:
             time.sleep(1.0)
-        print(f"device {worker.device}: parent process {pid} is gone; stopping", flush=True)
+        print(f"device {worker.control.device}: parent process {pid} is gone; stopping",
+              flush=True)
         worker.stop()
         time.sleep(10)
         os._exit(1)                   # the training loop did not stop in time (a hung wait)
@@ -185,11 +217,11 @@ def main(argv=None) -> int:
     if device.type == "cuda":      # the CUDA context too (seconds), for the same reason
         torch.ones(1, device=device).add_(1)
         torch.cuda.synchronize(device)
-    if job.recovery.checkpoint_interval and worker.checkpoint_dir:
+    if job.recovery.checkpoint_interval and worker.control.checkpoint_dir:
         # DCP is imported lazily (~1.4 s); a job that checkpoints pays it here, not in a step.
         import dynatrain.trainer.dcp_planners  # noqa: F401
     try:
-        server = serve(worker, host=args.host, port=args.agent_port,
+        server = serve(worker.control, host=args.host, port=args.agent_port,
                        token_file=args.token_file, tls_dir=args.tls_dir or None,
                        client_name=args.tls_client_name if args.tls_dir else None,
                        health_port=args.health_port, allow_rendezvous=args.allow_rendezvous,
@@ -200,7 +232,7 @@ def main(argv=None) -> int:
     # SIGTERM is notice (a pod deletion, an eviction, a drain: each comes with a grace
     # period): train on until switched out. SIGINT (the local runner's stop, Ctrl-C) stops
     # at the next step boundary.
-    worker.grace_s = args.grace_seconds
+    worker.control.grace_s = args.grace_seconds
     signal.signal(signal.SIGTERM, lambda *_: worker.leave())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     if args.parent_pid:

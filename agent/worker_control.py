@@ -15,14 +15,17 @@ the checkpoint path, which must lie under one of the worker's checkpoint roots (
 ``--checkpoint-dir`` and each ``--checkpoint-source``; INVALID_ARGUMENT otherwise): loading a
 checkpoint unpickles DCP's metadata, so a path from the network must not point anywhere.
 
-The training loop that answers the RPCs is :class:`~dynatrain.agent.worker_loop.Worker`.
+The training loop that answers the RPCs is :class:`~dynatrain.agent.worker_loop.TrainingLoop`,
+which holds a reference to the :class:`WorkerControl` and takes and leaves its state under the
+same lock; :class:`~dynatrain.agent.worker.Worker` owns the two (composition: neither derives
+from the other). What only the loop uses (its training log, the retired and abandoned process
+groups, the peak FLOP/s of the MFU) is the loop's own.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -32,9 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dynatrain.spec.hardware import PROFILES, profile_for_gpu_name
 from dynatrain.spec.job import JobSpec
-from dynatrain.vps.stagecost import training_flops_per_token
 from dynatrain.trainer.checkpoint import CheckpointPathError, check_checkpoint_path
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.hostbuffers import HostBuffers
@@ -45,9 +46,9 @@ from dynatrain.vps import abandon
 from dynatrain.vps.generations import DeviceManager
 from dynatrain.vps.layout import Layout, bind
 
+from .errors import CommitTimeout, InvalidRequest, PreconditionFailed
 from .metrics import REASONS, Metrics
-from .training_log import TrainingLog
-from .server import CommitTimeout, InvalidRequest, PreconditionFailed, Recovery
+from .requests import Recovery
 from .v1 import agent_pb2 as pb
 
 State = pb.StatusResponse.State
@@ -55,16 +56,6 @@ STEP_RECORDS = 1000
 DEFAULT_GRACE_S = 30.0
 """How long a worker told to leave expects to live on (Kubernetes' default
 ``terminationGracePeriodSeconds``; the worker's ``--grace-seconds``)."""
-
-
-def device_peak_flops(device: torch.device) -> float:
-    """Peak FLOP/s of one device, what the modelled MFU divides by: a GPU's preset by its name
-    (its datasheet peak), the CPU preset's per-core rate times this process's torch threads;
-    NaN for a GPU with no preset (no MFU is claimed for it)."""
-    if device.type == "cuda":
-        profile = profile_for_gpu_name(torch.cuda.get_device_name(device))
-        return profile.peak_flops() if profile is not None else float("nan")
-    return PROFILES["cpu"].peak_flops() * torch.get_num_threads()
 
 
 @dataclass
@@ -119,16 +110,14 @@ class CheckpointWanted:
 
 class WorkerControl:
     """A worker's state and the agent's :class:`~dynatrain.agent.server.Control` over it
-    (agent threads); :class:`~dynatrain.agent.worker_loop.Worker` adds the training loop."""
+    (agent threads). The training loop (:class:`~dynatrain.agent.worker_loop.TrainingLoop`)
+    holds a reference to it and reads and changes this state under :attr:`lock`."""
 
     def __init__(self, job: JobSpec, device: int, *, backend: str = "gloo",
                  metrics: Metrics | None = None, torch_device: torch.device | None = None,
-                 checkpoint_dir: str = "", save_hf: str = "",
-                 checkpoint_sources: tuple[str, ...] | list[str] = (),
-                 tensorboard_dir: str = "", log_every: int = 0):
+                 checkpoint_dir: str = "",
+                 checkpoint_sources: tuple[str, ...] | list[str] = ()):
         self.job, self.device, self.backend = job, device, backend
-        self.save_hf = save_hf or job.save_hf
-        """Where the trained model goes as a Hugging Face checkpoint when the job completes."""
         self.torch_device = torch_device or torch.device("cpu")
         self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
                                           reasons=REASONS)
@@ -149,7 +138,8 @@ class WorkerControl:
         self.store = None
         self.stopping = False
         self.leaving_at: float | None = None
-        """Monotonic time its grace period ends, once told to leave (:meth:`leave`)."""
+        """Monotonic time its grace period ends, once told to leave
+        (:meth:`~dynatrain.agent.worker_loop.TrainingLoop.leave`)."""
         self.grace_s = DEFAULT_GRACE_S
         self.left_read = threading.Event()
         self.tokens_per_second = 0.0
@@ -163,26 +153,10 @@ class WorkerControl:
         self.checkpoint: tuple[str, int] | None = None
         self.checkpoint_time = 0.0
         """Wall time the newest checkpoint was written (its age is a metric)."""
-        self.training_log = TrainingLog(
-            job.name, device, steps=job.training.steps, log_every=log_every or job.log_every,
-            tensorboard_dir=tensorboard_dir or job.tensorboard_dir(self.checkpoint_dir))
-        """The job's step lines and TensorBoard events, while this worker is rank 0."""
-        self.flops_per_token = training_flops_per_token(job.model, job.training.seq_len)
-        self.peak_flops = device_peak_flops(self.torch_device)
-        """Per device, for the modelled MFU (:func:`device_peak_flops`)."""
-        self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
-                           if x.strip()}
-        """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""
         self.snapshot_buffers = HostBuffers(pin=self.torch_device.type == "cuda")
         """The snapshot slots' host buffers: exact size, pinned once on a GPU, reused by the
         next generation (reserved in its Prepare, so nothing is pinned inside the pause)."""
         self.mirror_buffers = HostBuffers(pin=False)
-        self._retired_groups: list = []
-        """Process groups of generations switched away from, to shut down after a step."""
-        self._graveyard: list = []
-        """Groups of abandoned generations, and their mirror exchanges still in flight (with
-        the buffers gloo may still touch): never used again, never destroyed or waited on
-        (tearing down a gloo group with a wait still stuck in it can block)."""
 
     # -- the Control interface (agent threads) ----------------------------------------------
     def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
@@ -239,7 +213,7 @@ class WorkerControl:
             # snapshots are kept for a while), and a member that holds nothing of the world
             # it starts from takes part as a joiner.
             from_kept = recovery is not None and old_layout is not None and (
-                self._redundancy_for(old_layout) is not None
+                self.redundancy_for(old_layout) is not None
                 or self.device not in old_layout.device_of)
             if self.layout is not None and not checkpoint and not from_kept \
                     and _describe(old_layout) != mine:
@@ -312,7 +286,7 @@ class WorkerControl:
         """A recovery can only start from snapshots and mirrors this device really holds."""
         if old_layout is None or self.device not in old_layout.device_of:
             return                                    # holds nothing of the old world
-        r = self._redundancy_for(old_layout)
+        r = self.redundancy_for(old_layout)
         own, mirrors = r.holdings() if r is not None else ([], [])
         if recovery.restore_step not in own:
             raise PreconditionFailed(f"device {self.device} holds snapshots of steps {own}, "
@@ -323,7 +297,7 @@ class WorkerControl:
                     f"device {self.device} mirrors steps {mirrors} of device {dead}, not step "
                     f"{recovery.restore_step}")
 
-    def _redundancy_for(self, layout: Layout | None) -> Redundancy | None:
+    def redundancy_for(self, layout: Layout | None) -> Redundancy | None:
         """The redundancy of the generation that ran ``layout`` (with its devices): the
         running one's, or the kept previous one's; None if neither."""
         if layout is None:

@@ -1,10 +1,14 @@
 """A worker's training loop: steps, switches at the committed boundary, redundancy.
 
-:class:`Worker` runs on the process's main thread. Between steps it takes what the agent's
-threads left under the lock (:class:`~dynatrain.agent.worker_control.WorkerControl`): a
+:class:`TrainingLoop` runs on the process's main thread. Between steps it takes what the
+agent's threads left under the lock of the state it shares with them, its ``control`` (a
+:class:`~dynatrain.agent.worker_control.WorkerControl`, which it holds a reference to): a
 committed generation is switched to at the step boundary every rank agreed on, a failed step
 interrupts the generation and waits for a recovery. After each step it takes the in-memory
-snapshot (and mirrors it to the buddy) and, when due, a checkpoint.
+snapshot (and mirrors it to the buddy) and, when due, a checkpoint. What only the loop uses
+(the training log, the retired and abandoned groups, the MFU's figures) is its own. The two
+parts were one class, ``Worker``, split over two files by inheritance; the worker that owns
+both is now :class:`~dynatrain.agent.worker.Worker`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dynatrain.spec.hardware import PROFILES, profile_for_gpu_name
 from dynatrain.trainer.checkpoint import load_state, save_checkpoint
 from dynatrain.trainer.groups import shut_down
 from dynatrain.trainer.redundancy import Redundancy
@@ -26,18 +31,57 @@ from dynatrain.trainer.trainer import LocalState, Trainer
 from dynatrain.vps import abandon, faults
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.layout import bind
+from dynatrain.vps.stagecost import training_flops_per_token
 from dynatrain.vps.transition import TransitionConfig
 
+from .errors import SwitchAborted
 from .metrics import TrainingSample
-from .server import SwitchAborted
+from .training_log import TrainingLog
 from .v1 import agent_pb2 as pb
 from .worker_control import CHECKPOINT_SIGNAL, Pending, Previous, State, WorkerControl
 
 LINGER_SECONDS = 5.0
 
 
-class Worker(WorkerControl):
-    """The training loop (main thread) over the state that the agent's Control shares."""
+def device_peak_flops(device: torch.device) -> float:
+    """Peak FLOP/s of one device, what the modelled MFU divides by: a GPU's preset by its name
+    (its datasheet peak), the CPU preset's per-core rate times this process's torch threads;
+    NaN for a GPU with no preset (no MFU is claimed for it)."""
+    if device.type == "cuda":
+        profile = profile_for_gpu_name(torch.cuda.get_device_name(device))
+        return profile.peak_flops() if profile is not None else float("nan")
+    return PROFILES["cpu"].peak_flops() * torch.get_num_threads()
+
+
+class TrainingLoop:
+    """The training loop (main thread) over the state that it shares with the agent's
+    threads: ``control``, whose :attr:`~WorkerControl.lock` guards that state."""
+
+    def __init__(self, control: WorkerControl, *, save_hf: str = "",
+                 tensorboard_dir: str = "", log_every: int = 0):
+        self.control = control
+        job, device = control.job, control.device
+        self.job, self.device = job, device
+        self.torch_device, self.metrics = control.torch_device, control.metrics
+        """The worker's configuration, as the control holds it (fixed for the worker's life)."""
+        self.save_hf = save_hf or job.save_hf
+        """Where the trained model goes as a Hugging Face checkpoint when the job completes."""
+        self.training_log = TrainingLog(
+            job.name, device, steps=job.training.steps, log_every=log_every or job.log_every,
+            tensorboard_dir=tensorboard_dir or job.tensorboard_dir(control.checkpoint_dir))
+        """The job's step lines and TensorBoard events, while this worker is rank 0."""
+        self.flops_per_token = training_flops_per_token(job.model, job.training.seq_len)
+        self.peak_flops = device_peak_flops(self.torch_device)
+        """Per device, for the modelled MFU (:func:`device_peak_flops`)."""
+        self.dump_steps = {int(x) for x in os.environ.get("DYNATRAIN_DUMP_STEPS", "").split(",")
+                           if x.strip()}
+        """Steps whose state ``dynatrain bench chaos`` asks to keep (read once, not per step)."""
+        self._retired_groups: list = []
+        """Process groups of generations switched away from, to shut down after a step."""
+        self._graveyard: list = []
+        """Groups of abandoned generations, and their mirror exchanges still in flight (with
+        the buffers gloo may still touch): never used again, never destroyed or waited on
+        (tearing down a gloo group with a wait still stuck in it can block)."""
 
     def run(self) -> int:
         try:
@@ -48,40 +92,41 @@ class Worker(WorkerControl):
     def _loop(self) -> int:
         told_leaving = False
         while True:
-            if self.leaving_at is not None and not told_leaving:
+            if self.control.leaving_at is not None and not told_leaving:
                 told_leaving = True          # said here: a signal handler must not print
                 print(f"device {self.device}: told to leave (SIGTERM); training on until a "
                       f"switch takes this device out of the job, or for at most "
-                      f"{self.grace_s:g} s", flush=True)
-            with self.lock:
-                if self.stopping:
+                      f"{self.control.grace_s:g} s", flush=True)
+            with self.control.lock:
+                if self.control.stopping:
                     return 0
                 due = self._due()
-                if due is None and (self.trainer is None
-                                    or self.state in (State.FINISHED, State.SUSPENDED)):
-                    self.wake.wait(timeout=0.2)
+                if due is None and (self.control.trainer is None
+                                    or self.control.state in (State.FINISHED, State.SUSPENDED)):
+                    self.control.wake.wait(timeout=0.2)
                     continue
-                signal_value = 1.0 if (self.pending and self.pending.commit_at == 0
-                                       and self.trainer is not None) else 0.0
-                wanted = self.wanted
-                if wanted is not None and self.trainer is not None:
+                signal_value = 1.0 if (self.control.pending
+                                       and self.control.pending.commit_at == 0
+                                       and self.control.trainer is not None) else 0.0
+                wanted = self.control.wanted
+                if wanted is not None and self.control.trainer is not None:
                     wanted.signalled = True
                     signal_value += CHECKPOINT_SIGNAL
             if due is not None:
                 self._switch(due)
-                if self.state == State.LEFT:
+                if self.control.state == State.LEFT:
                     deadline = time.monotonic() + LINGER_SECONDS
-                    while not (self.left_read.wait(0.2) or self.stopping
+                    while not (self.control.left_read.wait(0.2) or self.control.stopping
                                or time.monotonic() > deadline):
                         pass
                     return 0
                 continue
             faults.inject("step", self.device)       # a hang here answers Status still
             try:
-                red = self.redundancy
-                result = self.trainer.train_step(signal_value,
-                                                 red.wait_mirror if red else None,
-                                                 red.before_update if red else None)
+                red = self.control.redundancy
+                result = self.control.trainer.train_step(signal_value,
+                                                         red.wait_mirror if red else None,
+                                                         red.before_update if red else None)
             except Exception as e:                   # a peer died, or we were told so
                 self._interrupt(e)
                 continue
@@ -96,7 +141,7 @@ class Worker(WorkerControl):
             self._report(result, snapshot_seconds)
             self._shut_down_retired()
             self._release_previous()
-            world = self.layout.world
+            world = self.control.layout.world
             signals = round(result.signal)
             if wanted is not None and (world == 1 or signals // int(CHECKPOINT_SIGNAL) == world):
                 try:                                 # every rank agreed: write it now
@@ -104,31 +149,31 @@ class Worker(WorkerControl):
                 except Exception as e:               # a peer died inside the collective save
                     self._interrupt(e)
                     continue
-            with self.lock:
-                if self.trainer.step >= self.job.training.steps:
-                    self.state = State.FINISHED
-                p = self.pending
+            with self.control.lock:
+                if self.control.trainer.step >= self.job.training.steps:
+                    self.control.state = State.FINISHED
+                p = self.control.pending
                 if (p is not None and p.commit_at == 0 and signal_value % CHECKPOINT_SIGNAL
                         and signals % int(CHECKPOINT_SIGNAL) == world):
                     p.commit_at = -1          # agreed: switch at this boundary
-                    self.wake.notify_all()
+                    self.control.wake.notify_all()
 
     def _after_step(self) -> float:
         """Redundancy at the step boundary: the in-memory snapshot (and its mirror to the
         buddy), and the periodic checkpoint when one is due. Returns the snapshot's seconds."""
-        t = self.trainer
+        t = self.control.trainer
         t0 = time.perf_counter()
         # Every rank snapshots at the same steps (spec.recovery is the same everywhere), as
         # the mirror exchange needs; a generation's first boundary is always snapshotted.
-        if self.redundancy is not None and t.step % self.job.recovery.snapshot_every == 0:
-            self.redundancy.snapshot(t.local_state())
+        if self.control.redundancy is not None and t.step % self.job.recovery.snapshot_every == 0:
+            self.control.redundancy.snapshot(t.local_state())
         snapshot_seconds = time.perf_counter() - t0
         if t.step in self.dump_steps:
             _dump_state(t, f"step{t.step}")
         if self.save_hf and t.step == self.job.training.steps:
             self._save_hf()
         every = self.job.recovery.checkpoint_interval
-        if every and self.checkpoint_dir and t.step % every == 0:
+        if every and self.control.checkpoint_dir and t.step % every == 0:
             self._save_checkpoint()
         return snapshot_seconds
 
@@ -136,30 +181,31 @@ class Worker(WorkerControl):
         """Every rank's part of a DCP checkpoint of this step (collective), into the job's own
         folder of the root (<root>/<job>/step-N): a claim shared with other jobs is pruned per
         job, and Status reports the path in that folder."""
-        t = self.trainer
+        t = self.control.trainer
         g = t.g
-        saved = save_checkpoint(t.local_state(), self.job.model, self.checkpoint_dir,
-                                group=g.world, group_rank=g.rank, group_size=self.layout.world,
+        saved = save_checkpoint(t.local_state(), self.job.model, self.control.checkpoint_dir,
+                                group=g.world, group_rank=g.rank,
+                                group_size=self.control.layout.world,
                                 keep=self.job.recovery.checkpoint_keep,
                                 hf_source=self.job.training.init_hf, job=self.job.name)
-        with self.lock:
-            self.checkpoint = (saved.path, t.step)
-            self.checkpoint_time = time.time()
+        with self.control.lock:
+            self.control.checkpoint = (saved.path, t.step)
+            self.control.checkpoint_time = time.time()
 
     def _write_wanted(self, wanted) -> None:
         """A Checkpoint every rank agreed on at this boundary: write it (the periodic one of
         this very step, if there is one, is it), answer the call, and with ``stop`` train no
         further."""
-        t = self.trainer
+        t = self.control.trainer
         t0 = time.perf_counter()
-        if self.checkpoint is None or self.checkpoint[1] != t.step:
+        if self.control.checkpoint is None or self.control.checkpoint[1] != t.step:
             self._save_checkpoint()
-        path, step = self.checkpoint
+        path, step = self.control.checkpoint
         seconds = time.perf_counter() - t0
-        with self.lock:
-            self.wanted = None
+        with self.control.lock:
+            self.control.wanted = None
             if wanted.stop and t.step < self.job.training.steps:
-                self.state = State.SUSPENDED
+                self.control.state = State.SUSPENDED
         print(f"device {self.device}: wrote the checkpoint of step {step} to {path} in "
               f"{seconds:.2f} s" + ("; suspended: training no further" if wanted.stop
                                     else ""), flush=True)
@@ -175,10 +221,10 @@ class Worker(WorkerControl):
         periodic checkpoints, if any, are untouched)."""
         from dynatrain.trainer.hf_export import export_hf
 
-        t, g, out = self.trainer, self.trainer.g, Path(self.save_hf)
+        t, g, out = self.control.trainer, self.control.trainer.g, Path(self.save_hf)
         root = out.parent / f".{out.name}.checkpoint"
         saved = save_checkpoint(t.local_state(), self.job.model, str(root), group=g.world,
-                                group_rank=g.rank, group_size=self.layout.world, keep=1,
+                                group_rank=g.rank, group_size=self.control.layout.world, keep=1,
                                 hf_source=self.job.training.init_hf)
         if g.rank != 0:
             return
@@ -206,57 +252,58 @@ class Worker(WorkerControl):
         restored on its own (two steps after the switch: its own snapshots and its mirrors
         of a step are then whole everywhere). Their buffers go back to the pools, which keep
         what the next generation is likely to take (this one's sizes) and return the rest."""
-        prev = self.previous
-        if prev is None or (self.trainer is not None and self.trainer.step < prev.until):
+        prev = self.control.previous
+        if prev is None or (self.control.trainer is not None
+                            and self.control.trainer.step < prev.until):
             return
-        with self.lock:
-            self.previous = None
+        with self.control.lock:
+            self.control.previous = None
         prev.redundancy.close()
-        if self.redundancy is not None:
-            sizes = self.redundancy.slot_bytes()
-            self.snapshot_buffers.trim(keep=[sizes.snapshot] * 2)
-            self.mirror_buffers.trim(keep=[sizes.mirror] * 2)
+        if self.control.redundancy is not None:
+            sizes = self.control.redundancy.slot_bytes()
+            self.control.snapshot_buffers.trim(keep=[sizes.snapshot] * 2)
+            self.control.mirror_buffers.trim(keep=[sizes.mirror] * 2)
 
     def _interrupt(self, error: Exception) -> None:
         """The running generation failed under this device: drop the live trainer (its state
         may be half-way through a step), keep the snapshots, wait for a recovery Prepare."""
-        with self.lock:
-            trainer, self.trainer = self.trainer, None
+        with self.control.lock:
+            trainer, self.control.trainer = self.control.trainer, None
             if trainer is not None:
                 self._graveyard.append(trainer.g)
-            self.state = State.INTERRUPTED
-            self.error = f"generation {self.generation} interrupted: {error}"
-            wanted, self.wanted = self.wanted, None
+            self.control.state = State.INTERRUPTED
+            self.control.error = f"generation {self.control.generation} interrupted: {error}"
+            wanted, self.control.wanted = self.control.wanted, None
             if wanted is not None and not wanted.reply.done():
                 wanted.reply.set_exception(SwitchAborted(
-                    f"the checkpoint was not written: {self.error}"))
-            self.wake.notify_all()
-        print(f"device {self.device}: {self.error}", flush=True)
+                    f"the checkpoint was not written: {self.control.error}"))
+            self.control.wake.notify_all()
+        print(f"device {self.device}: {self.control.error}", flush=True)
 
     def _due(self) -> Pending | None:
         """The committed generation to switch to now, if any (lock held)."""
-        p = self.pending
+        p = self.control.pending
         if p is None or p.commit_at is None:
             return None
-        if self.trainer is None:                      # a joiner / the first generation
+        if self.control.trainer is None:              # a joiner / the first generation
             return p
-        if p.commit_at == -1 or (p.commit_at > 0 and self.trainer.step >= p.commit_at):
+        if p.commit_at == -1 or (p.commit_at > 0 and self.control.trainer.step >= p.commit_at):
             return p
-        if p.commit_at == 0 and self.layout.world == 1:
+        if p.commit_at == 0 and self.control.layout.world == 1:
             return p                                  # no one to agree with
         return None
 
     def _switch(self, p: Pending) -> None:
-        with self.lock:
-            self.state = State.SWITCHING
+        with self.control.lock:
+            self.control.state = State.SWITCHING
         if p.recovery is not None or p.checkpoint:
             abandon.reset()        # we are out of the failed generation's collectives now
         prepared: PreparedSwitch = p.future.result()
         groups, mirror_group = prepared.extra if prepared.extra is not None else (None, None)
         prepared = dataclasses.replace(prepared, extra=groups)   # what the trainer is built on
         new_cfg = self.job.train_config(p.layout)
-        old_layout = self.layout
-        step_before = self.trainer.step if self.trainer is not None else 0
+        old_layout = self.control.layout
+        step_before = self.control.trainer.step if self.control.trainer is not None else 0
         t0 = time.perf_counter()
         try:
             if prepared.plan is None:                 # the first generation
@@ -269,8 +316,8 @@ class Worker(WorkerControl):
                 phases = {"rebuild": pause}
                 sent = received = local = 0
             else:
-                holder = [self.trainer] if self.trainer is not None else []
-                self.trainer = None
+                holder = [self.control.trainer] if self.control.trainer is not None else []
+                self.control.trainer = None
                 restored, mirrored = self._restore(p)
                 res = switch(holder, prepared, new_cfg, self.device,
                              config=TransitionConfig(staging_bytes=p.staging_bytes,
@@ -294,24 +341,24 @@ class Worker(WorkerControl):
                 redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
                                         mirror_group, mirror=mirror_group is not None,
                                         devices_per_node=p.nodes or p.devices_per_node,
-                                        wait=abandon.wait, buffers=self.snapshot_buffers,
-                                        mirror_buffers=self.mirror_buffers,
+                                        wait=abandon.wait, buffers=self.control.snapshot_buffers,
+                                        mirror_buffers=self.control.mirror_buffers,
                                         calls_before_update=True)
                 redundancy.snapshot(trainer.local_state())   # a failure now restores here
         except Exception as e:      # TransitionError, GenerationAbandoned, anything else
             # The switch did not happen here; the snapshots taken before it still hold (a
             # failed switch is recovered like a failed step).
-            with self.lock:
-                self.trainer = None
-                if self.pending is p:
-                    self.pending = None
+            with self.control.lock:
+                self.control.trainer = None
+                if self.control.pending is p:
+                    self.control.pending = None
                 # Its groups may have waits stuck in them (see _graveyard).
                 self._graveyard.append((prepared.transition_group, groups, mirror_group))
-                holds_state = self.redundancy is not None or old_layout is None
-                self.state = State.INTERRUPTED if holds_state else State.FAILED
-                self.error = f"switch to generation {p.generation} failed: {e}"
-                self.wake.notify_all()
-            print(f"device {self.device}: {self.error}", flush=True)
+                holds_state = self.control.redundancy is not None or old_layout is None
+                self.control.state = State.INTERRUPTED if holds_state else State.FAILED
+                self.control.error = f"switch to generation {p.generation} failed: {e}"
+                self.control.wake.notify_all()
+            print(f"device {self.device}: {self.control.error}", flush=True)
             self.metrics.observe_switch(p.reason or "unknown", "failed", {}, 0)
             p.reply.set_exception(SwitchAborted(str(e)))
             return
@@ -325,34 +372,34 @@ class Worker(WorkerControl):
                                     {"prepare": prepared.seconds, "pause": pause,
                                      "transfer": phases.get("transfer", 0.0)}, sent)
         restoring = p.recovery is not None or bool(p.checkpoint)
-        with self.lock:
-            old_redundancy, self.redundancy = self.redundancy, redundancy
-            old_previous, self.previous = self.previous, None
-            old_generation = self.generation
-            self.trainer = trainer
-            self.generation = p.generation
+        with self.control.lock:
+            old_redundancy, self.control.redundancy = self.control.redundancy, redundancy
+            old_previous, self.control.previous = self.control.previous, None
+            old_generation = self.control.generation
+            self.control.trainer = trainer
+            self.control.generation = p.generation
             abandon.keep_only(p.generation)    # no earlier generation is waited on now
-            self.pending = None
-            self.error = ""
+            self.control.pending = None
+            self.control.error = ""
             if p.recovery is not None or p.checkpoint:
                 # Steps after the restored one were lost with the failed generation; they are
                 # trained again (and reported again) from here.
-                kept = [r for r in self.records if r.step <= step]
-                self.records.clear()
-                self.records.extend(kept)
-            self.last_switch = pb.SwitchReport(
+                kept = [r for r in self.control.records if r.step <= step]
+                self.control.records.clear()
+                self.control.records.extend(kept)
+            self.control.last_switch = pb.SwitchReport(
                 generation=p.generation, from_layout=old_layout.to_text() if old_layout else "",
                 to_layout=p.layout.to_text(), step=step, pause_seconds=pause,
                 bytes_sent=sent, bytes_received=received)
             if trainer is None:
-                self.state, self.layout, self.rank = State.LEFT, None, -1
+                self.control.state, self.control.layout, self.control.rank = State.LEFT, None, -1
             else:
-                self.layout, self.rank = p.layout, prepared.new_rank
+                self.control.layout, self.control.rank = p.layout, prepared.new_rank
                 done = trainer.step >= self.job.training.steps
-                self.state = State.FINISHED if done else State.TRAINING
+                self.control.state = State.FINISHED if done else State.TRAINING
                 self.metrics.set_layout(p.layout)
             self.metrics.set_generation(p.generation)
-            self.wake.notify_all()
+            self.control.wake.notify_all()
         held = [r for r in (old_previous.redundancy if old_previous else None,
                             old_redundancy) if r is not None]
         if restoring:
@@ -366,8 +413,9 @@ class Worker(WorkerControl):
             if old_previous is not None:
                 old_previous.redundancy.close()
             old_redundancy.settle()
-            with self.lock:
-                self.previous = Previous(old_generation, old_layout, old_redundancy, step + 2)
+            with self.control.lock:
+                self.control.previous = Previous(old_generation, old_layout, old_redundancy,
+                                                 step + 2)
         else:
             for r in held:
                 r.close()
@@ -380,7 +428,7 @@ class Worker(WorkerControl):
         """A recovery's old state: this device's snapshot of the restore step (if it was in
         the old world) and the mirrors it holds for failed devices (if it is their proxy)."""
         rec = p.recovery
-        r = self._redundancy_for(p.old_layout)
+        r = self.control.redundancy_for(p.old_layout)
         if rec is None or r is None:
             return None, None
         restored = None
@@ -392,31 +440,33 @@ class Worker(WorkerControl):
 
     def _record(self, r) -> None:
         rec = pb.StepRecord(step=r.step, loss=r.loss, seconds=r.seconds,
-                            tokens_per_second=r.tokens_per_second, generation=self.generation,
+                            tokens_per_second=r.tokens_per_second,
+                            generation=self.control.generation,
                             sample_begin=r.samples[0], sample_end=r.samples[1],
                             end_time=time.time())
-        with self.lock:
-            self.records.append(rec)
-            self.tokens_per_second = r.tokens_per_second
+        with self.control.lock:
+            self.control.records.append(rec)
+            self.control.tokens_per_second = r.tokens_per_second
 
     def _report(self, r, snapshot_seconds: float) -> None:
         """The step's figures: this device's own on its metrics endpoint (step time and its
         split, GPU memory), and, while it is the job's rank 0, the job's (loss, learning
         rate, gradient norm, samples, modelled MFU, checkpoint age) there, in a step line
         every ``log_every`` steps and in TensorBoard."""
-        t, owner = self.trainer, self.rank == 0
+        t, owner = self.control.trainer, self.control.rank == 0
         phases = dict(r.phases)
         phases["redundancy"] = phases.get("redundancy", 0.0) + snapshot_seconds
-        devices = self.layout.world * self.job.gpus_per_worker if self.job.gpus_per_worker \
-            else self.layout.world
+        devices = self.control.layout.world * self.job.gpus_per_worker if self.job.gpus_per_worker \
+            else self.control.layout.world
         # tokens/s x FLOPs per token over the peak of every device of the job
         mfu = r.tokens_per_second * self.flops_per_token / (devices * self.peak_flops)
         sample = None
         if owner:
             sample = TrainingSample(step=r.step, loss=r.loss, learning_rate=r.lr,
                                     grad_norm=r.grad_norm, samples=t.position, mfu=mfu)
-            if self.checkpoint is not None:
-                self.metrics.observe_checkpoint(self.checkpoint[1], self.checkpoint_time)
+            if self.control.checkpoint is not None:
+                self.metrics.observe_checkpoint(self.control.checkpoint[1],
+                                                self.control.checkpoint_time)
         self.metrics.observe_step(r.seconds, r.tokens_per_second, r.step, phases=phases,
                                   training=sample, owner=owner)
         if self.torch_device.type == "cuda":
@@ -426,13 +476,13 @@ class Worker(WorkerControl):
             self.training_log.step(step=r.step, loss=r.loss, learning_rate=r.lr,
                                    grad_norm=r.grad_norm, tokens_per_second=r.tokens_per_second,
                                    mfu=mfu,
-                                   layout=self.layout.to_text(), phases=phases,
+                                   layout=self.control.layout.to_text(), phases=phases,
                                    seconds=r.seconds)
 
     def _tell_switch(self, p: Pending, old_layout, step: int, pause: float) -> None:
         """The new rank 0 says the switch (or recovery, or the job's start) in its log and in
         TensorBoard; a device that is no longer rank 0 ends its tenure there."""
-        if self.rank != 0:
+        if self.control.rank != 0:
             self.training_log.end_tenure()
             self.metrics.observe_training_owner(False)
             return
@@ -454,7 +504,7 @@ class Worker(WorkerControl):
         """Ask the loop to end at the next step boundary. Safe in a signal handler: it takes
         no lock (the handler runs on the main thread, which may hold the lock right then);
         the loop polls the flag at least every 0.2 s."""
-        self.stopping = True
+        self.control.stopping = True
 
     def leave(self) -> None:
         """Told to leave (SIGTERM; on Kubernetes every planned removal arrives so, with a
@@ -463,11 +513,11 @@ class Worker(WorkerControl):
         linger after its last switch). A worker that holds no part of the job (standing by,
         finished, already left) has nothing to hand over and stops now. Signal-safe like
         :meth:`stop`."""
-        if self.leaving_at is None:
-            self.leaving_at = time.monotonic() + self.grace_s
-        if self.state in (State.STANDBY, State.FINISHED, State.LEFT, State.FAILED,
-                          State.SUSPENDED):
-            self.stopping = True
+        if self.control.leaving_at is None:
+            self.control.leaving_at = time.monotonic() + self.control.grace_s
+        if self.control.state in (State.STANDBY, State.FINISHED, State.LEFT, State.FAILED,
+                                  State.SUSPENDED):
+            self.control.stopping = True
 
 
 def _dump_state(trainer: Trainer, tag: str) -> None:

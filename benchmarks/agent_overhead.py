@@ -31,7 +31,7 @@ import yaml
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.server import serve
 from dynatrain.agent.v1 import agent_pb2
-from dynatrain.agent.worker_loop import Worker
+from dynatrain.agent.worker import Worker
 from dynatrain.spec.job import job_from_manifest
 from dynatrain.controller.orchestrator import switch
 from dynatrain.trainer.groups import build_groups
@@ -65,8 +65,8 @@ def with_agent(job, poll: bool) -> list[float]:
     token = tmp / "token"
     token.write_text(secrets.token_urlsafe(16))
     worker = Worker(job, 0)
-    _, _ = worker.metrics.serve()
-    server = serve(worker, token_file=str(token))
+    _, _ = worker.control.metrics.serve()
+    server = serve(worker.control, token_file=str(token))
     client = AgentClient(server.address, token_file=str(token))
     done = threading.Event()
 
@@ -78,7 +78,7 @@ def with_agent(job, poll: bool) -> list[float]:
             if poll:                                  # the local runner's polling
                 st = client.status(since_step=seen)
                 seen = max([seen] + [r.step for r in st.steps])
-            if worker.state == agent_pb2.StatusResponse.FINISHED:
+            if worker.control.state == agent_pb2.StatusResponse.FINISHED:
                 worker.stop()
                 return
             time.sleep(0.25)
@@ -88,7 +88,7 @@ def with_agent(job, poll: bool) -> list[float]:
     worker.run()
     done.set()
     t.join(5)
-    records = list(worker.records)
+    records = list(worker.control.records)
     server.stop(0)
     client.close()
     return [r.seconds for r in records]
