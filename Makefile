@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PHASE  := tools/phase
 
-.PHONY: setup demo finetune test go-tools bench bench-smoke gpu-check clean
+.PHONY: setup operator-env demo finetune test go-tools bench bench-smoke gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,20 @@ $(VENV)/.installed: pyproject.toml
 	  $(PYTHON) -m venv $(VENV) && \
 	  $(BIN)/pip install --quiet --upgrade pip && \
 	  $(BIN)/pip install --quiet -e ".[test]"'
+	@touch $@
+
+# The operator's environment as its slim image has it (Dockerfile target `operator`): only
+# operator/requirements.txt, and the project itself without its dependencies, so no torch. The
+# operator tests run `dynatrain operator` from it (tests/k8s/operator_process.py): an import of
+# torch on the operator's path fails them, as it would fail the image.
+operator-env: .venv-operator/.installed
+
+.venv-operator/.installed: operator/requirements.txt pyproject.toml
+	@$(PHASE) "setup: .venv-operator (the operator image's packages, no torch)" sh -c '\
+	  rm -rf .venv-operator && $(PYTHON) -m venv .venv-operator && \
+	  .venv-operator/bin/pip install --quiet --upgrade pip && \
+	  .venv-operator/bin/pip install --quiet -r operator/requirements.txt && \
+	  .venv-operator/bin/pip install --quiet --no-deps -e .'
 	@touch $@
 
 # The main job: a small elastic job on this machine. Four workers train gpt-tiny; one is
@@ -40,7 +54,7 @@ RUNTIME_DEBS := containerd runc containernetworking-plugins debootstrap busybox-
 
 # Tests need a real Prometheus (Debian's package; installed once, root or sudo) and the
 # control plane and helm built from their pinned Go modules (cached under ~/.cache/dynatrain).
-test: setup go-tools
+test: setup go-tools operator-env
 	@$(PHASE) "test: prometheus" tools/install-prometheus.sh
 	@$(PHASE) "test: container runtime" tools/install-debs.sh $(RUNTIME_DEBS)
 	@$(PHASE) "test: pytest" $(BIN)/python tools/pytest-shards

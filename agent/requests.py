@@ -158,8 +158,8 @@ def check_rendezvous_owner(rendezvous: str, peer: str,
     """Why a Prepare from ``peer`` (``context.peer()``) may not name the store ``rendezvous``
     (already a valid ``host:port``), or None.
 
-    The store is torch's TCPStore, which authenticates nobody, and a worker builds its
-    generation's groups through it: it must be the controller's own. So its host must be the
+    The store (the controller's, :mod:`dynatrain.controller.rendezvous`) authenticates nobody,
+    and a worker builds its generation's groups through it: it must be the controller's own. So its host must be the
     caller's address (a DNS name is resolved and compared by address), or one of ``allowed``
     (the worker's ``--allow-rendezvous`` hosts, for NAT or a mesh; compared as written, or as
     addresses when they are IP addresses).

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from dynatrain.spec.job import JobSpec
 from dynatrain.trainer.checkpoint import CheckpointPathError, check_checkpoint_path
@@ -49,6 +48,7 @@ from dynatrain.vps.layout import Layout, bind
 from .errors import CommitTimeout, InvalidRequest, PreconditionFailed
 from .metrics import REASONS, Metrics
 from .requests import Recovery
+from .store import RendezvousStore
 from .v1 import agent_pb2 as pb
 
 State = pb.StatusResponse.State
@@ -444,10 +444,10 @@ class WorkerControl:
     def _connect(self, rendezvous: str, timeout_s: float) -> None:
         """A fresh connection to the rendezvous store for each generation: a generation
         whose preparation is stuck (a member died while its groups were being built) keeps
-        its connection busy until its timeout, and must not hold up the next one."""
+        its connection busy until its timeout, and must not hold up the next one. The store is
+        the controller's (:mod:`dynatrain.controller.rendezvous`), over gRPC."""
         host, port = rendezvous.rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), is_master=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        self.store = RendezvousStore(host, int(port), timeout=timedelta(seconds=timeout_s))
 
 
 def _ids(devices, limit: int = 16) -> str:

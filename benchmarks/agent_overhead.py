@@ -34,6 +34,7 @@ from dynatrain.agent.v1 import agent_pb2
 from dynatrain.agent.worker import Worker
 from dynatrain.spec.job import job_from_manifest
 from dynatrain.controller.orchestrator import switch
+from dynatrain.controller.rendezvous import RendezvousServer
 from dynatrain.trainer.groups import build_groups
 from dynatrain.trainer.trainer import Trainer
 from dynatrain.vps.generations import DeviceManager
@@ -59,8 +60,7 @@ def bare_trainer(job) -> Trainer:
 
 def with_agent(job, poll: bool) -> list[float]:
     """One worker's step times, from start to the job's last step (a fresh store each time)."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store_port = store.port
+    store = RendezvousServer("127.0.0.1")       # the controller's store, as the runner's
     tmp = Path(tempfile.mkdtemp())
     token = tmp / "token"
     token.write_text(secrets.token_urlsafe(16))
@@ -72,7 +72,7 @@ def with_agent(job, poll: bool) -> list[float]:
 
     def controller():
         layout = parse_layout("dp=1").with_devices([0])
-        switch({0: client}, 1, None, layout, f"127.0.0.1:{store_port}", reason="start")
+        switch({0: client}, 1, None, layout, store.address, reason="start")
         seen = 0
         while not done.is_set():
             if poll:                                  # the local runner's polling
@@ -91,6 +91,7 @@ def with_agent(job, poll: bool) -> list[float]:
     records = list(worker.control.records)
     server.stop(0)
     client.close()
+    store.close()
     return [r.seconds for r in records]
 
 

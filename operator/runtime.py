@@ -61,9 +61,7 @@ import secrets
 import time
 import traceback
 from dataclasses import replace
-from datetime import timedelta
 
-import torch.distributed as dist
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -75,6 +73,7 @@ from dynatrain.spec.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
 from dynatrain.spec.job import JobError, job_from_manifest
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
+from dynatrain.controller.rendezvous import RendezvousServer
 
 from . import cluster as k
 from . import guard, netpol
@@ -287,11 +286,11 @@ class JobRuntime:
         self.job = job
         if job.recovery.timeouts:                      # spec.recovery.timeouts
             self.timeouts = job.recovery.timeouts_config()
-        self.store = dist.TCPStore(self.rendezvous_host, 0, is_master=True,
-                                   wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.timeouts.group_s))
+        if self.store is not None:               # a second start of this runtime's job
+            self.store.close()
+        self.store = RendezvousServer(self.rendezvous_host)
         self.controller = JobController(
-            job, rendezvous=f"{self.rendezvous_host}:{self.store.port}",
+            job, rendezvous=self.store.address,
             profile=profile_for(job), metrics=self.metrics,
             policy=self.policy or Policy(), timeouts=self.timeouts,
             devices_per_node=max(1, 8 // max(1, job.gpus_per_worker)), log=self.log)
@@ -683,3 +682,5 @@ class JobRuntime:
             for cl in self.controller.clients.values():
                 cl.close()
         self.jobtls.close()
+        if self.store is not None:
+            self.store.close()

@@ -262,3 +262,29 @@ class StatusResponse(_message.Message):
     leaving: bool
     leaving_in_seconds: float
     def __init__(self, state: _Optional[_Union[StatusResponse.State, str]] = ..., device: _Optional[int] = ..., generation: _Optional[int] = ..., layout: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., data_position: _Optional[int] = ..., prepared_generation: _Optional[int] = ..., prepared_ready: _Optional[bool] = ..., prepared_error: _Optional[str] = ..., last_switch: _Optional[_Union[SwitchReport, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., error: _Optional[str] = ..., tokens_per_second: _Optional[float] = ..., prepared_layout: _Optional[str] = ..., prepared_devices: _Optional[_Iterable[int]] = ..., prepared_committed: _Optional[bool] = ..., snapshot_steps: _Optional[_Iterable[int]] = ..., mirror_of: _Optional[int] = ..., mirror_steps: _Optional[_Iterable[int]] = ..., checkpoint: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., previous_generation: _Optional[int] = ..., previous_layout: _Optional[str] = ..., previous_devices: _Optional[_Iterable[int]] = ..., previous_snapshot_steps: _Optional[_Iterable[int]] = ..., previous_mirror_of: _Optional[int] = ..., previous_mirror_steps: _Optional[_Iterable[int]] = ..., collective_wait_seconds: _Optional[float] = ..., leaving: _Optional[bool] = ..., leaving_in_seconds: _Optional[float] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("key", "keys", "value", "expected", "amount", "timeout_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_s: float
+    def __init__(self, key: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("value", "number", "ok")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ok: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...

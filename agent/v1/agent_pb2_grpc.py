@@ -277,3 +277,404 @@ class Agent:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RendezvousStub:
+    """The job's rendezvous store, the other direction: served by the controller (in the operator
+    or the local runner) and called by the workers, which build every generation's process
+    groups through it. It is torch.distributed's Store (dynatrain.agent.store.RendezvousStore is
+    the torch side) over gRPC, so that the process serving it needs no torch: the operator's
+    image carries none. A value is bytes; Add keeps a counter as its decimal text, as torch's
+    TCPStore does. Get and Wait wait for their keys up to the request's timeout_s, then answer
+    DEADLINE_EXCEEDED; a malformed request is INVALID_ARGUMENT.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Set = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/Set',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/Get',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Add = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/Add',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.CompareSet = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/CompareSet',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Check = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/Check',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/Wait',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.DeleteKey = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/DeleteKey',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.NumKeys = channel.unary_unary(
+                '/dynatrain.agent.v1.Rendezvous/NumKeys',
+                request_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+                response_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+                _registered_method=True)
+
+
+class RendezvousServicer:
+    """The job's rendezvous store, the other direction: served by the controller (in the operator
+    or the local runner) and called by the workers, which build every generation's process
+    groups through it. It is torch.distributed's Store (dynatrain.agent.store.RendezvousStore is
+    the torch side) over gRPC, so that the process serving it needs no torch: the operator's
+    image carries none. A value is bytes; Add keeps a counter as its decimal text, as torch's
+    TCPStore does. Get and Wait wait for their keys up to the request's timeout_s, then answer
+    DEADLINE_EXCEEDED; a malformed request is INVALID_ARGUMENT.
+    """
+
+    def Set(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """value; waits for key
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Add(self, request, context):
+        """number: the counter after adding amount
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompareSet(self, request, context):
+        """value: what key holds afterwards
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Check(self, request, context):
+        """ok: every one of keys is set
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wait(self, request, context):
+        """waits for every one of keys
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteKey(self, request, context):
+        """ok: key was there
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NumKeys(self, request, context):
+        """number: how many keys are set
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RendezvousServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Set': grpc.unary_unary_rpc_method_handler(
+                    servicer.Set,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'Add': grpc.unary_unary_rpc_method_handler(
+                    servicer.Add,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'CompareSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompareSet,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'DeleteKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteKey,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+            'NumKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.NumKeys,
+                    request_deserializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.FromString,
+                    response_serializer=dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dynatrain.agent.v1.Rendezvous', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dynatrain.agent.v1.Rendezvous', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Rendezvous:
+    """The job's rendezvous store, the other direction: served by the controller (in the operator
+    or the local runner) and called by the workers, which build every generation's process
+    groups through it. It is torch.distributed's Store (dynatrain.agent.store.RendezvousStore is
+    the torch side) over gRPC, so that the process serving it needs no torch: the operator's
+    image carries none. A value is bytes; Add keeps a counter as its decimal text, as torch's
+    TCPStore does. Get and Wait wait for their keys up to the request's timeout_s, then answer
+    DEADLINE_EXCEEDED; a malformed request is INVALID_ARGUMENT.
+    """
+
+    @staticmethod
+    def Set(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/Set',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/Get',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Add(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/Add',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompareSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/CompareSet',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/Check',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/Wait',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/DeleteKey',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NumKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dynatrain.agent.v1.Rendezvous/NumKeys',
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreRequest.SerializeToString,
+            dynatrain_dot_agent_dot_v1_dot_agent__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -88,8 +88,8 @@ def run_fuzz(requests: int = 3000, *, seed: int | None = None, threads: int = 16
     """Start the target and the reference, fuzz the target with ``requests`` cases (a
     ``serial_fraction`` of them one at a time, the rest from ``threads`` threads within
     ``flood_seconds``), and return the tallies and verdicts (see the module docstring)."""
-    import torch.distributed as dist
     from dynatrain.controller.orchestrator import switch
+    from dynatrain.controller.rendezvous import RendezvousServer
     from dynatrain.vps.layout import parse_layout
 
     if requests < 1 or threads < 1 or not 0 <= serial_fraction <= 1:
@@ -106,8 +106,7 @@ def run_fuzz(requests: int = 3000, *, seed: int | None = None, threads: int = 16
     token_path = root / "token"
     token = secrets.token_urlsafe(24)
     token_path.write_text(token)
-    stores = {name: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-              for name in ("target", "reference")}
+    stores = {name: RendezvousServer("127.0.0.1") for name in ("target", "reference")}
     devices = {"target": 0, "reference": 1}
     procs: dict[str, subprocess.Popen] = {}
     clients: dict[str, AgentClient] = {}
@@ -138,7 +137,7 @@ def run_fuzz(requests: int = 3000, *, seed: int | None = None, threads: int = 16
                 result[f"{name}_ready"] = info
             if errors:
                 raise errors[0]
-        rdv = {name: f"127.0.0.1:{s.port}" for name, s in stores.items()}
+        rdv = {name: s.address for name, s in stores.items()}
         for name, d in devices.items():
             clients[name].wait_healthy(30)
             layout = parse_layout("dp=1").with_devices([d])
@@ -307,6 +306,8 @@ def run_fuzz(requests: int = 3000, *, seed: int | None = None, threads: int = 16
                 codes[name] = ("did not stop within 60 s of SIGINT; its log ends: "
                                + log.read_text(errors="replace")[-4000:])
         result["exit_codes"], result["stop_seconds"] = codes, stop_s
+        for store in stores.values():
+            store.close()
         if tmp is not None:
             tmp.cleanup()
 

@@ -27,10 +27,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
 
 from dynatrain.agent.client import AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
@@ -42,6 +40,7 @@ from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
 from .orchestrator import Timeouts
 from .policy import Policy
+from .rendezvous import RendezvousServer
 from .scenario import Event, Scenario
 
 WORKER_START_TIMEOUT_S = 120.0
@@ -145,12 +144,11 @@ class LocalRunner:
         self.token_file = run_dir / "agent-token"
         self.token_file.write_text(secrets.token_urlsafe(32))
         self.token_file.chmod(0o600)
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeouts.group_s))
+        self.store = RendezvousServer("127.0.0.1")
         self.metrics = Metrics(namespace=job.namespace, job=job.name, reasons=REASONS)
         _, self.metrics_port = self.metrics.serve(port=metrics_port)
         self.prometheus_sd = prometheus_sd
-        self.controller = JobController(job, rendezvous=f"127.0.0.1:{self.store.port}",
+        self.controller = JobController(job, rendezvous=self.store.address,
                                         profile=profile, metrics=self.metrics, policy=policy,
                                         timeouts=timeouts, log=self._say)
         cores = os.cpu_count() or 1
@@ -463,6 +461,7 @@ class LocalRunner:
                 time.sleep(0.05)
         finally:
             self._stop_all()
+            self.store.close()
         return self._result()
 
     def _report_switch(self, r) -> None:

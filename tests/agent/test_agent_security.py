@@ -24,7 +24,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch.distributed as dist
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -43,6 +42,7 @@ from dynatrain.agent.server import (ANSWER_CODES, DEFAULT_COMMIT_TIMEOUT_S,
                                     check_rendezvous_owner, peer_host, serve)
 from dynatrain.agent.v1 import agent_pb2
 from dynatrain.bench.fuzz import spawn_worker
+from dynatrain.controller.rendezvous import RendezvousServer
 from dynatrain.ports import free_port as _free_port
 
 from test_worker_live import _wait_steps
@@ -517,8 +517,8 @@ def test_live_workers_over_mutual_tls(pki, tmp_path):
     first = write_tls_dir(tls_dir, pki)
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "source").mkdir()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    rdv = f"127.0.0.1:{store.port}"
+    store = RendezvousServer("127.0.0.1")       # the controller's store, as the runner hosts it
+    rdv = store.address
     procs, ops = [], {}
     try:
         for device in (0, 1):
@@ -605,4 +605,5 @@ def test_live_workers_over_mutual_tls(pki, tmp_path):
                 p.send_signal(signal.SIGINT)
         for p in procs:
             p.wait(15)
+        store.close()
 

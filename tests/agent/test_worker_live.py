@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch.distributed as dist
 import yaml
 
 from dynatrain.agent.auth import bearer_metadata
@@ -19,6 +18,7 @@ from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.v1 import agent_pb2
 from dynatrain.bench.fuzz import spawn_worker
 from dynatrain.controller.orchestrator import switch
+from dynatrain.controller.rendezvous import RendezvousServer
 from dynatrain.vps.layout import parse_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def _workers(tmp_path, *extra):
     job.write_text(yaml.safe_dump(doc))
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(16))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = RendezvousServer("127.0.0.1")       # the controller's store, as the runner hosts it
     procs, clients = [], {}
     try:
         for d in range(2):
@@ -56,13 +56,14 @@ def _workers(tmp_path, *extra):
             procs.append(proc)
             clients[d] = AgentClient(addr, token_file=str(token))
             clients[d].wait_healthy(30)
-        yield clients, f"127.0.0.1:{store.port}", token.read_text(), procs
+        yield clients, store.address, token.read_text(), procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)     # stop now (SIGTERM is a notice)
         for p in procs:
             p.wait(10)
+        store.close()
 
 
 def _wait_steps(client, n, timeout=60):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chart_rbac import RELEASE_NAMESPACE
 from dynatrain.ports import free_port
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+OPERATOR_PYTHON = ROOT / ".venv-operator" / "bin" / "python"
+"""The operator runs from the slim image's environment (`make operator-env`: the project without
+its dependencies plus operator/requirements.txt, so no torch), as the chart runs it."""
+
+
+def operator_python() -> str:
+    if not OPERATOR_PYTHON.is_file():
+        raise RuntimeError(f"{OPERATOR_PYTHON} is missing: the operator tests run the operator "
+                           "from the slim image's environment; build it with "
+                           "`make operator-env` (`make test` does)")
+    return str(OPERATOR_PYTHON)
 
 
 def wait(what: str, fn, timeout: float = 90.0, interval: float = 0.3):
@@ -63,7 +77,7 @@ class Operator:
         self.starts += 1
         log = open(self.workdir / f"operator-{self.starts}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynatrain", "operator", "--kubeconfig",
+            [operator_python(), "-m", "dynatrain", "operator", "--kubeconfig",
              str(self.kubeconfig), "--namespace", self.namespace, "--metrics-port",
              str(self.metrics_port), "--rendezvous-host", self.rendezvous_host,
              *(["--standalone"] if self.standalone else
@@ -103,7 +117,6 @@ class Operator:
 
 
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def job(name: str, **over) -> dict:

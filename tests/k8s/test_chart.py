@@ -150,7 +150,7 @@ def test_template_renders_the_operator(helm):
     (container,) = pod["containers"]
     assert container["command"] == ["dynatrain"]
     assert container["args"] == OPERATOR_ARGS
-    assert container["image"] == "dynatrain:0.1.0"
+    assert container["image"] == "dynatrain-operator:0.1.0"   # the slim image
     assert pod["serviceAccountName"] == kinds["ServiceAccount"][0]["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
