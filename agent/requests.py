@@ -4,7 +4,7 @@ Each ``check_*`` function takes a decoded request of the Agent service, checks e
 against its bound (:data:`MAX_WORLD` entries, :data:`MAX_TEXT` characters,
 :data:`MAX_TIMEOUT_S`, :data:`MAX_STAGING_BYTES`, :data:`MAX_DEVICES_PER_NODE`) and its
 rules, applies the proto's defaults (a zero field stands for a ``DEFAULT_*``), and returns the
-control's arguments (:class:`PrepareArgs` for a Prepare) or raises
+control's arguments (one :class:`PrepareArgs` for a Prepare) or raises
 :class:`~dynatrain.agent.errors.InvalidRequest` naming every problem at once.
 :func:`check_rendezvous_owner` says whether a Prepare's rendezvous store is the caller's own.
 The servicer (:class:`~dynatrain.agent.server.AgentServicer`) runs them; each is linear in the
@@ -159,8 +159,9 @@ def check_rendezvous_owner(rendezvous: str, peer: str,
     (already a valid ``host:port``), or None.
 
     The store (the controller's, :mod:`dynatrain.controller.rendezvous`) authenticates nobody,
-    and a worker builds its generation's groups through it: it must be the controller's own. So its host must be the
-    caller's address (a DNS name is resolved and compared by address), or one of ``allowed``
+    and a worker builds its generation's groups through it: it must be the controller's own.
+    So its host must be the caller's address (a DNS name is resolved and compared by address),
+    or one of ``allowed``
     (the worker's ``--allow-rendezvous`` hosts, for NAT or a mesh; compared as written, or as
     addresses when they are IP addresses).
     """
@@ -189,7 +190,11 @@ def check_rendezvous_owner(rendezvous: str, peer: str,
 
 @dataclass(frozen=True)
 class PrepareArgs:
-    """A checked PrepareRequest with the defaults applied (the control's arguments)."""
+    """A checked PrepareRequest with the defaults applied: the control's one argument.
+
+    It travels whole from the servicer to :meth:`Control.prepare
+    <dynatrain.agent.server.Control.prepare>`, and the worker keeps it as it is in its
+    prepared generation (:class:`~dynatrain.agent.worker_control.Pending`'s ``args``)."""
 
     generation: int
     layout: Layout

@@ -72,8 +72,6 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health
 
-from dynatrain.vps.layout import Layout
-
 from . import auth
 from .errors import (AgentError, CommitTimeout, InvalidRequest, PermissionDenied,
                      PreconditionFailed, SwitchAborted)
@@ -127,21 +125,18 @@ class Control(Protocol):
     of its subclasses); any other exception is answered with INTERNAL and logged.
     """
 
-    def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
-                rendezvous: str, devices_per_node: int, staging_bytes: int,
-                timeout_s: float, *, reason: str = "", old_layout: Layout | None = None,
-                recovery: Recovery | None = None, checkpoint: str = "",
-                nodes: dict[int, str] | None = None) -> None:
-        """Start preparing ``generation`` (newer than any this agent has seen) in the background.
+    def prepare(self, args: PrepareArgs) -> None:
+        """Start preparing ``args.generation`` (newer than any this agent has seen) in the
+        background; ``args`` is the checked request (:class:`PrepareArgs`), as it arrived.
 
         Must return at once; Status reports ``prepared_ready`` (or ``prepared_error``) later.
-        ``devices[r]`` is the device of rank ``r`` in ``layout`` (``len == layout.world``,
-        unique), ``rendezvous`` is ``host:port``, ``timeout_s`` bounds every wait of the
-        generation's groups. ``reason`` labels the switch's metrics; ``old_layout`` (its
-        devices bound) is the world the switch starts from, None for the job's first one.
-        ``recovery`` (with ``old_layout``) abandons the running generation and starts from
-        the in-memory snapshots; ``checkpoint`` (without ``old_layout``) starts from a DCP
-        checkpoint.
+        ``args.devices[r]`` is the device of rank ``r`` in ``args.layout`` (``len ==
+        layout.world``, unique), ``args.rendezvous`` is ``host:port``, ``args.timeout_s``
+        bounds every wait of the generation's groups. ``args.reason`` labels the switch's
+        metrics; ``args.old_layout`` (its devices bound) is the world the switch starts from,
+        None for the job's first one. ``args.recovery`` (with ``old_layout``) abandons the
+        running generation and starts from the in-memory snapshots; ``args.checkpoint``
+        (without ``old_layout``) starts from a DCP checkpoint.
         """
         ...
 
@@ -217,11 +212,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             if (why := check_rendezvous_owner(a.rendezvous, context.peer(),
                                               self.allow_rendezvous)) is not None:
                 raise PermissionDenied(why)
-            self.control.prepare(a.generation, a.layout, a.devices, a.rendezvous,
-                                 a.devices_per_node, a.staging_bytes, a.timeout_s,
-                                 reason=a.reason, old_layout=a.old_layout,
-                                 recovery=a.recovery, checkpoint=a.checkpoint,
-                                 nodes=a.nodes)
+            self.control.prepare(a)
             return agent_pb2.PrepareResponse(generation=a.generation)
         return self._run("Prepare", context, call, agent_pb2.PrepareResponse)
 

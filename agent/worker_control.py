@@ -47,7 +47,7 @@ from dynatrain.vps.layout import Layout, bind
 
 from .errors import CommitTimeout, InvalidRequest, PreconditionFailed
 from .metrics import REASONS, Metrics
-from .requests import Recovery
+from .requests import PrepareArgs, Recovery
 from .store import RendezvousStore
 from .v1 import agent_pb2 as pb
 
@@ -71,24 +71,24 @@ class Previous:
 
 @dataclass
 class Pending:
-    """A prepared generation and, once it arrives, its Commit."""
+    """A prepared generation and, once it arrives, its Commit: the checked Prepare
+    (``args``, as it arrived) and what the worker adds to it."""
 
-    generation: int
+    args: PrepareArgs
+    """The Prepare (its ``nodes``, device -> node, say where the mirrors go)."""
     layout: Layout
-    reason: str
+    """``args.layout`` bound to ``args.devices``: the world the switch goes to."""
+    checkpoint: str
+    """``args.checkpoint`` resolved under the worker's checkpoint roots (empty: none)."""
     future: Future
-    timeout_s: float
-    staging_bytes: int
-    devices_per_node: int = 1
-    old_layout: Layout | None = None
-    recovery: Recovery | None = None
-    checkpoint: str = ""
-    nodes: dict[int, str] = field(default_factory=dict)
-    """device -> node (the Prepare's ``device_nodes``): where the mirrors go."""
     aborted: bool = False
     commit_at: int | None = None
     """None until committed; 0 = agreed boundary; else the step counter to switch at."""
     reply: Future = field(default_factory=Future)
+
+    @property
+    def generation(self) -> int:
+        return self.args.generation
 
 
 CHECKPOINT_SIGNAL = float(1 << 20)
@@ -159,21 +159,21 @@ class WorkerControl:
         self.mirror_buffers = HostBuffers(pin=False)
 
     # -- the Control interface (agent threads) ----------------------------------------------
-    def prepare(self, generation: int, layout: Layout, devices: tuple[int, ...],
-                rendezvous: str, devices_per_node: int, staging_bytes: int, timeout_s: float,
-                reason: str = "", old_layout: Layout | None = None,
-                recovery: Recovery | None = None, checkpoint: str = "",
-                nodes: dict[int, str] | None = None) -> None:
-        """``old_layout`` (with its devices) is the world the switch starts from; None for the
-        job's first generation. Joiners learn it here; members check it against their own.
+    def prepare(self, args: PrepareArgs) -> None:
+        """``args.old_layout`` (with its devices) is the world the switch starts from; None for
+        the job's first generation. Joiners learn it here; members check it against their own.
         A ``recovery`` abandons the running generation at once (its collectives are cut short)
-        and starts from the in-memory snapshots of ``recovery.restore_step``."""
-        layout = layout.with_devices(devices)
+        and starts from the in-memory snapshots of ``recovery.restore_step``. ``args`` stays
+        whole in the :class:`Pending`, beside the bound layout and the resolved checkpoint."""
+        generation, devices, recovery = args.generation, args.devices, args.recovery
+        old_layout, timeout_s = args.old_layout, args.timeout_s
+        layout = args.layout.with_devices(devices)
         try:
             self.job.train_config(layout)          # fits the model and the batch?
         except ValueError as e:
             raise InvalidRequest(f"layout {layout.to_text()!r} cannot run this job: {e}"
                                  ) from None
+        checkpoint = args.checkpoint
         if checkpoint:
             try:
                 checkpoint = check_checkpoint_path(checkpoint, self.checkpoint_roots)
@@ -195,7 +195,7 @@ class WorkerControl:
             why = (f"devices {sorted(recovery.failed)} failed" if recovery
                    else f"restarting from checkpoint {checkpoint}")
             abandon.abandon(f"generation {self.generation} abandoned: {why} "
-                            f"({reason or 'recovery'})")
+                            f"({args.reason or 'recovery'})")
             self._drop_uncommitted()
         with self.lock:
             if abandoning:                # a switch in flight fails on the abandon: let it end
@@ -219,15 +219,14 @@ class WorkerControl:
                     and _describe(old_layout) != mine:
                 raise PreconditionFailed(f"the switch starts from {_describe(old_layout)} but "
                                          f"device {self.device} runs {mine}")
-            old = old_layout
             self.highest_prepared = generation    # reserved: a second Prepare of g is stale
         # Outside the lock: connecting may wait, and the training loop must not.
         try:
-            self._connect(rendezvous, timeout_s)
+            self._connect(args.rendezvous, timeout_s)
         except PreconditionFailed:
             raise
         except Exception as e:
-            raise PreconditionFailed(f"rendezvous store {rendezvous} is unreachable from "
+            raise PreconditionFailed(f"rendezvous store {args.rendezvous} is unreachable from "
                                      f"device {self.device}: {e}") from e
         mgr = DeviceManager(self.store, self.device, backend=self.backend,
                             timeout=timedelta(seconds=timeout_s))
@@ -242,7 +241,8 @@ class WorkerControl:
 
         def build_extra(rank):
             # The new generation's host slots, made (and pinned) now, off the pause.
-            sizes = slot_sizes(new_bound, rank, nodes or devices_per_node, mirror=mirror)
+            sizes = slot_sizes(new_bound, rank, args.nodes or args.devices_per_node,
+                               mirror=mirror)
             self.snapshot_buffers.reserve([sizes.snapshot] * 2)
             self.mirror_buffers.reserve([sizes.mirror] * 2)
             groups = build_groups(new_bound, rank, mgr.group_factory(generation, layout))
@@ -252,17 +252,15 @@ class WorkerControl:
 
         # The plan's link costs read the real nodes where the Prepare names them (the same
         # names on every worker, so every worker still plans the same switch), as the mirrors do.
-        future = mgr.prepare(generation, model, old, layout, staging_bytes=staging_bytes,
-                             build_extra=build_extra,
-                             devices_per_node=nodes or devices_per_node,
+        future = mgr.prepare(generation, model, old_layout, layout,
+                             staging_bytes=args.staging_bytes, build_extra=build_extra,
+                             devices_per_node=args.nodes or args.devices_per_node,
                              dead=recovery.failed if recovery else frozenset(),
                              proxies=recovery.proxies if recovery else None,
                              preallocate=(functools.partial(preallocate, device=self.device)
                                           if self.torch_device.type == "cpu" else None))
         with self.lock:
-            self.pending = Pending(generation, layout, reason, future, timeout_s, staging_bytes,
-                                    devices_per_node, old, recovery, checkpoint,
-                                    dict(nodes or {}))
+            self.pending = Pending(args, layout, checkpoint, future)
 
     def _check_can_prepare(self, generation: int, devices: tuple[int, ...], checkpoint: str,
                            old_layout: Layout | None, *, abandoning: bool) -> None:

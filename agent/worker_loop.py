@@ -296,7 +296,7 @@ class TrainingLoop:
     def _switch(self, p: Pending) -> None:
         with self.control.lock:
             self.control.state = State.SWITCHING
-        if p.recovery is not None or p.checkpoint:
+        if p.args.recovery is not None or p.checkpoint:
             abandon.reset()        # we are out of the failed generation's collectives now
         prepared: PreparedSwitch = p.future.result()
         groups, mirror_group = prepared.extra if prepared.extra is not None else (None, None)
@@ -320,8 +320,8 @@ class TrainingLoop:
                 self.control.trainer = None
                 restored, mirrored = self._restore(p)
                 res = switch(holder, prepared, new_cfg, self.device,
-                             config=TransitionConfig(staging_bytes=p.staging_bytes,
-                                                     timeout=timedelta(seconds=p.timeout_s)),
+                             config=TransitionConfig(staging_bytes=p.args.staging_bytes,
+                                                     timeout=timedelta(seconds=p.args.timeout_s)),
                              torch_device=self.torch_device, restored=restored,
                              mirrored=mirrored, graveyard=self._graveyard)
                 trainer, pause, phases = res.trainer, res.pause_seconds, dict(res.phases)
@@ -340,7 +340,7 @@ class TrainingLoop:
                 # mirrors to the buddy when the job asks for them.
                 redundancy = Redundancy(bind(p.layout, self.job.model), prepared.new_rank,
                                         mirror_group, mirror=mirror_group is not None,
-                                        devices_per_node=p.nodes or p.devices_per_node,
+                                        devices_per_node=p.args.nodes or p.args.devices_per_node,
                                         wait=abandon.wait, buffers=self.control.snapshot_buffers,
                                         mirror_buffers=self.control.mirror_buffers,
                                         calls_before_update=True)
@@ -359,7 +359,7 @@ class TrainingLoop:
                 self.control.error = f"switch to generation {p.generation} failed: {e}"
                 self.control.wake.notify_all()
             print(f"device {self.device}: {self.control.error}", flush=True)
-            self.metrics.observe_switch(p.reason or "unknown", "failed", {}, 0)
+            self.metrics.observe_switch(p.args.reason or "unknown", "failed", {}, 0)
             p.reply.set_exception(SwitchAborted(str(e)))
             return
         phases["prepare"] = prepared.seconds
@@ -368,10 +368,10 @@ class TrainingLoop:
             generation=p.generation, step=step, pause_seconds=pause, phase_seconds=phases,
             bytes_sent=sent, bytes_received=received, bytes_local=local,
             new_rank=-1 if prepared.new_rank is None else prepared.new_rank)
-        self.metrics.observe_switch(p.reason or "unknown", "success",
+        self.metrics.observe_switch(p.args.reason or "unknown", "success",
                                     {"prepare": prepared.seconds, "pause": pause,
                                      "transfer": phases.get("transfer", 0.0)}, sent)
-        restoring = p.recovery is not None or bool(p.checkpoint)
+        restoring = p.args.recovery is not None or bool(p.checkpoint)
         with self.control.lock:
             old_redundancy, self.control.redundancy = self.control.redundancy, redundancy
             old_previous, self.control.previous = self.control.previous, None
@@ -381,7 +381,7 @@ class TrainingLoop:
             abandon.keep_only(p.generation)    # no earlier generation is waited on now
             self.control.pending = None
             self.control.error = ""
-            if p.recovery is not None or p.checkpoint:
+            if p.args.recovery is not None or p.checkpoint:
                 # Steps after the restored one were lost with the failed generation; they are
                 # trained again (and reported again) from here.
                 kept = [r for r in self.control.records if r.step <= step]
@@ -419,7 +419,7 @@ class TrainingLoop:
         else:
             for r in held:
                 r.close()
-        if trainer is not None and (p.recovery is not None or p.checkpoint):
+        if trainer is not None and (p.args.recovery is not None or p.checkpoint):
             _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)
         self._tell_switch(p, old_layout, step, pause)
@@ -427,12 +427,12 @@ class TrainingLoop:
     def _restore(self, p: Pending):
         """A recovery's old state: this device's snapshot of the restore step (if it was in
         the old world) and the mirrors it holds for failed devices (if it is their proxy)."""
-        rec = p.recovery
-        r = self.control.redundancy_for(p.old_layout)
+        rec = p.args.recovery
+        r = self.control.redundancy_for(p.args.old_layout)
         if rec is None or r is None:
             return None, None
         restored = None
-        if self.device in p.old_layout.device_of:
+        if self.device in p.args.old_layout.device_of:
             restored = r.restore(rec.restore_step, self.torch_device)
         mirrored = {dead: r.restore_mirror(rec.restore_step, self.torch_device)
                     for dead, proxy in rec.proxies.items() if proxy == self.device}
@@ -486,16 +486,16 @@ class TrainingLoop:
             self.training_log.end_tenure()
             self.metrics.observe_training_owner(False)
             return
-        if p.recovery is not None:
+        if p.args.recovery is not None:
             kind = "recovery"
-            detail = f"restored step {p.recovery.restore_step} from memory"
+            detail = f"restored step {p.args.recovery.restore_step} from memory"
         elif p.checkpoint:
             kind, detail = "recovery", f"from checkpoint {p.checkpoint}"
         elif old_layout is None:
             kind, detail = "start", ""
         else:
             kind, detail = "switch", ""
-        self.training_log.switch(kind=kind, reason=p.reason or "unknown",
+        self.training_log.switch(kind=kind, reason=p.args.reason or "unknown",
                                  from_layout=old_layout.to_text() if old_layout else "",
                                  to_layout=p.layout.to_text(), step=step, pause_seconds=pause,
                                  generation=p.generation, detail=detail)

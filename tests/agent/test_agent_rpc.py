@@ -39,6 +39,7 @@ from dynatrain.agent.server import (
     Control,
     InvalidRequest,
     PreconditionFailed,
+    PrepareArgs,
     SwitchAborted,
     check_rendezvous,
     serve,
@@ -96,18 +97,17 @@ class StepControl:
             exc, self.fail = self.fail, None
             raise exc
 
-    def prepare(self, generation, layout, devices, rendezvous, devices_per_node,
-                staging_bytes, timeout_s, reason="", old_layout=None, recovery=None,
-                checkpoint="", nodes=None):
+    def prepare(self, args):
         self._enter("prepare")
-        self.nodes = nodes
+        self.nodes = args.nodes
+        generation = args.generation
         with self.cond:
             if generation != self.generation + 1:
                 raise PreconditionFailed(f"generation={generation} is stale; the agent is at "
                                          f"{self.generation}, expected {self.generation + 1}")
             if self.prepared is not None:
                 raise PreconditionFailed(f"generation {self.prepared[0]} is already prepared")
-            self.prepared = (generation, layout.to_text(), tuple(devices))
+            self.prepared = (generation, args.layout.to_text(), tuple(args.devices))
 
     def commit(self, generation, at_step, timeout_s):
         self._enter("commit")
@@ -408,9 +408,8 @@ def test_defaults_reach_the_control():
     seen = {}
 
     class Recorder(StepControlStub):
-        def prepare(self, *args, **kw):
+        def prepare(self, args):
             seen["prepare"] = args
-            seen["prepare_kw"] = kw
 
         def commit(self, generation, at_step, timeout_s):
             seen["commit"] = (generation, at_step, timeout_s)
@@ -424,10 +423,11 @@ def test_defaults_reach_the_control():
             c.prepare(**GOOD_PREPARE, devices_per_node=4, staging_bytes=1 << 20, timeout_s=7)
     finally:
         server.stop(0)
-    generation, layout, devices, rendezvous, per_node, staging, timeout = seen["prepare"]
-    assert (generation, layout.world, devices, rendezvous) == (1, 4, (0, 1, 2, 3),
-                                                               "127.0.0.1:29500")
-    assert (per_node, staging, timeout) == (4, 1 << 20, 7.0)
+    a = seen["prepare"]
+    assert isinstance(a, PrepareArgs)
+    assert (a.generation, a.layout.world, a.devices, a.rendezvous) == (1, 4, (0, 1, 2, 3),
+                                                                       "127.0.0.1:29500")
+    assert (a.devices_per_node, a.staging_bytes, a.timeout_s) == (4, 1 << 20, 7.0)
     assert seen["commit"] == (1, 0, 120.0)
 
 

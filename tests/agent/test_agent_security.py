@@ -167,10 +167,8 @@ class GateControl:
         self.waiting = 0
         self._lock = threading.Lock()
 
-    def prepare(self, generation, layout, devices, rendezvous, devices_per_node, staging_bytes,
-                timeout_s, reason="", old_layout=None, recovery=None, checkpoint="",
-                nodes=None):
-        self.prepared.append((generation, rendezvous))
+    def prepare(self, args):
+        self.prepared.append((args.generation, args.rendezvous))
 
     def commit(self, generation, at_step, timeout_s):
         with self._lock:
