@@ -161,9 +161,8 @@ def check_rendezvous_owner(rendezvous: str, peer: str,
     The store (the controller's, :mod:`dynatrain.controller.rendezvous`) authenticates nobody,
     and a worker builds its generation's groups through it: it must be the controller's own.
     So its host must be the caller's address (a DNS name is resolved and compared by address),
-    or one of ``allowed``
-    (the worker's ``--allow-rendezvous`` hosts, for NAT or a mesh; compared as written, or as
-    addresses when they are IP addresses).
+    or one of ``allowed`` (the worker's ``--allow-rendezvous`` hosts, for NAT or a mesh;
+    compared as written, or as addresses when they are IP addresses).
     """
     host = rendezvous.rpartition(":")[0]
     bare = host[1:-1] if host.startswith("[") else host
