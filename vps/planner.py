@@ -36,7 +36,6 @@ Pure metadata: no torch import.
 from __future__ import annotations
 
 import gc
-import heapq
 import time
 import zlib
 from collections.abc import Iterable, Mapping
@@ -48,6 +47,7 @@ from .layout import BoundLayout, Layout, LayoutError, bind
 from .mapping import Piece, model_states, shard_pattern, state_itemsize
 from .model import ModelSpec, TensorSpec
 from .timemodel import Links, lower_bound_bytes, lower_bound_ratio, lower_bound_seconds
+from .localsearch import WINDOW, improve
 from .topology import DEFAULT_DEVICES_PER_NODE, Nodes, check_nodes, node_table
 
 
@@ -340,9 +340,6 @@ def plan_for_device(model: ModelSpec, old: Layout, new: Layout, device: int, **k
 #: that no single choice can unbalance the devices by more than that fraction.
 CHUNKS = 48
 MAX_CUTS = 64
-#: A choice among more holders than this looks at those on the receiver's node and a window
-#: of this many others (rotating from one choice to the next); the local search sees all.
-WINDOW = 16
 #: A holder on the receiver's node is chosen while the costs it leaves stay within this
 #: multiple of the bounds (times the joint bound where both cannot be met).
 NEAR_OK = 1.0
@@ -390,7 +387,7 @@ def _assign_sources(classes, states, devices_per_node: Nodes, node: Mapping[int,
     move (then the sender's send-side cost; ties rotate per class). Then the pairs with no
     holder on the receiver's node, largest first, by the same rule. Regions larger than
     ``1/CHUNKS`` of the byte bound are cut into chunks first so that the choices can balance.
-    A local search (:func:`_improve`) then moves single pairs off the costliest device.
+    A local search (:func:`~.localsearch.improve`) then moves single pairs off the costliest device.
     Everything is a deterministic function of the inputs. ``node[d]`` is device ``d``'s node
     under the node map ``devices_per_node`` (:func:`~.topology.node_table`); nodes are only
     compared, so the choices do not depend on how nodes are named.
@@ -506,7 +503,7 @@ def _assign_sources(classes, states, devices_per_node: Nodes, node: Mapping[int,
             esd[h] += b
             erd[r] += b
 
-    _improve(jobs, choice, info, near, node, (isd, esd, ird, erd), (wi, we, wb))
+    improve(jobs, choice, info, near, node, (isd, esd, ird, erd), (wi, we, wb))
 
     transfers = []
     for ji, (it, ci, r) in enumerate(jobs):
@@ -515,129 +512,6 @@ def _assign_sources(classes, states, devices_per_node: Nodes, node: Mapping[int,
         transfers.append(Move(it.group, states[it.state_index], holders[best], r, it.box,
                               it.src_piece, it.dst_piece, it.nbytes, it.owners[best]))
     return transfers, demand
-
-
-#: Bounds on the local search: moves made, alternatives (and assignments) looked at in all,
-#: and the largest assignments of the costliest device looked at per move (alternatives among many holders:
-#: those on the receiver's node and a rotating window of ``WINDOW``).
-MAX_MOVES = 2000
-MAX_TRIES = 400_000
-SCAN = 128
-
-
-def _improve(jobs, choice, info, near, node: Mapping[int, str], ports, weights) -> None:
-    """Local search after the greedy pass: while some single (region, receiver) can move from
-    the costliest device to another holder, or change which holder serves the costliest
-    receiver, so that the costliest device gets cheaper and every other device it touches
-    either ends below that cost or gets no costlier, make the best such move (the sorted
-    costs fall lexicographically, so this ends). Stops when the costliest device cannot be
-    relieved (or at ``MAX_MOVES`` moves or ``MAX_TRIES`` alternatives tried: the plan must stay
-    fast to compute at 1024 devices)."""
-    isd, esd, ird, erd = ports
-    wi, we, wb = weights
-
-    def cost(i_s, e_s, i_r, e_r):
-        return max(i_s * wi, e_s * we, (i_s + e_s) * wb, i_r * wi, e_r * we, (i_r + e_r) * wb)
-
-    def dev_cost(d):
-        return cost(isd[d], esd[d], ird[d], erd[d])
-
-    sends: dict[int, list[int]] = {}
-    recvs: dict[int, list[int]] = {}
-    for ji, (it, ci, r) in enumerate(jobs):
-        holders = info[ci][0]
-        if len(holders) > 1:
-            sends.setdefault(holders[choice[ji]], []).append(ji)
-            recvs.setdefault(r, []).append(ji)
-    devices = set(sends) | set(recvs)
-    heap = [(-dev_cost(d), d) for d in devices]
-    heapq.heapify(heap)
-    budget = MAX_TRIES
-    for _ in range(MAX_MOVES):
-        if budget <= 0:
-            return
-        while heap:
-            c, w = heap[0]
-            if -c == dev_cost(w):
-                break
-            heapq.heapreplace(heap, (-dev_cost(w), w))
-        if not heap:
-            return
-        cw = -heap[0][0]
-        if cw <= 1.0 + 1e-9:
-            return
-        limit = cw * (1 - 1e-9)
-        best = None
-        mine_s, mine_r = sends.get(w, []), recvs.get(w, [])
-        budget -= len(mine_s) + len(mine_r)
-        size = lambda j: jobs[j][0].total  # noqa: E731
-        cands = heapq.nlargest(SCAN, mine_s, key=size) + heapq.nlargest(SCAN, mine_r, key=size)
-        base = {}
-        for ji in cands:
-            it, ci, r = jobs[ji]
-            holders, hnodes, _ = info[ci]
-            b = it.total
-            rn = node[r]
-            cur = choice[ji]
-            s0 = holders[cur]
-            near0 = hnodes[cur] == rn
-            for d in (s0, r):
-                if d not in base:
-                    base[d] = dev_cost(d)
-            k = len(holders)
-            if k <= WINDOW:
-                alts = range(k)
-            else:
-                off = (info[ci][2] + ji + _) % k
-                alts = [*near[ci].get(rn, ()), *((off + j) % k for j in range(WINDOW))]
-            budget -= len(alts)
-            for i in alts:
-                if i == cur:
-                    continue
-                h = holders[i]
-                near1 = hnodes[i] == rn
-                if h not in base:
-                    base[h] = dev_cost(h)
-                # Port loads after moving b from (s0 -> r) to (h -> r).
-                p_s0 = [isd[s0], esd[s0], ird[s0], erd[s0]]
-                p_s0[0 if near0 else 1] -= b
-                p_h = p_s0 if h == s0 else [isd[h], esd[h], ird[h], erd[h]]
-                p_h[0 if near1 else 1] += b
-                p_r = [isd[r], esd[r], ird[r], erd[r]]
-                p_r[2 if near0 else 3] -= b
-                p_r[2 if near1 else 3] += b
-                # The costliest device must get cheaper; the others may not pass its cost
-                # (or may not get costlier at all when they already share it).
-                v = 0.0
-                for d, p in ((s0, p_s0), (h, p_h), (r, p_r)):
-                    c = cost(*p)
-                    if d == w or c > base[d]:
-                        v = max(v, c)
-                if v < limit:
-                    limit, best = v, (ji, i, s0, h, near0, near1)
-        if best is None:
-            return
-        ji, i, s0, h, near0, near1 = best
-        b = jobs[ji][0].total
-        r = jobs[ji][2]
-        if near0:
-            isd[s0] -= b
-            ird[r] -= b
-        else:
-            esd[s0] -= b
-            erd[r] -= b
-        if near1:
-            isd[h] += b
-            ird[r] += b
-        else:
-            esd[h] += b
-            erd[r] += b
-        choice[ji] = i
-        sends[s0].remove(ji)
-        sends.setdefault(h, []).append(ji)
-        for d in (s0, h, r):
-            heapq.heappush(heap, (-dev_cost(d), d))
-
 
 
 __all__ = ["Move", "Plan", "PlanError", "TensorGroup", "plan_for_device", "plan_switch",

@@ -27,8 +27,9 @@ in freshly allocated pages (the kernel zeroes each one, as dear as the copy into
 freed pages back to the OS. ``preallocated`` takes new local tensors allocated and touched in the
 background beforehand (:meth:`DeviceManager.prepare`'s ``preallocate``); ``retired`` collects old
 tensors as their last reader finishes instead of dropping them, for
-:func:`~dynatrain.vps.carving.free_in_background` after the switch. Both keep the peak within old + new + staging. (On a GPU neither costs much:
-the caching allocator neither faults nor unmaps.)
+:func:`~dynatrain.vps.carving.free_in_background` after the switch. Both keep the peak within
+old + new + staging. (On a GPU neither costs much: the caching allocator neither faults nor
+unmaps.)
 
 Every wait has a timeout; a failure raises :class:`TransitionError` naming the round, the peer
 and what went wrong. The engine knows nothing about training: it moves (tensor, state) local
@@ -142,42 +143,113 @@ def _checksum(buf: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, group,
-                       group_rank: dict[int, int], rounds: list[list[Message]],
-                       config: TransitionConfig = TransitionConfig(),
-                       torch_device: torch.device | None = None,
-                       old_pieces: dict | None = None, new_pieces: dict | None = None,
-                       mirrored: dict[int, dict[tuple[str, str], torch.Tensor]] | None = None,
-                       preallocated: dict | None = None, retired: list | None = None,
-                       staging: torch.Tensor | None = None) -> tuple[dict, TransitionStats]:
-    """Run ``device``'s part of ``plan``.
+@dataclass(kw_only=True)
+class TransitionInputs:
+    """What one device's part of a switch works on (for :func:`execute_transition`). The
+    engine reads these and changes only ``old`` (entries released as their last reader
+    finishes) and ``retired`` (released old tensors appended)."""
 
-    old: (tensor name, state) -> this device's old local tensor (empty for a joiner); entries
-    are released as their last reader finishes. new_shapes: (tensor name, state) -> (shape,
-    dtype) of this device's new local tensors (empty for a leaver). group: a process group
-    over every device of the switch, ``group_rank[device]`` its rank there. old_pieces /
-    new_pieces (same keys, the mapping's pieces) let identical tensors be adopted uncopied; an
-    adopted tensor is never written, so sending from it to other devices stays correct.
-    mirrored: dead device -> its old local tensors (same keys and shapes as its ``old`` would
-    have had) that this device holds as its proxy; moves owned by that device read from there.
-    Mirrors are only read, never adopted or released.
-    staging: a uint8 buffer of at least :func:`staging_need` bytes that every round packs its
-    sends into and receives into; without one (or if it is too small) one is allocated here.
-    preallocated: (tensor name, state) -> a tensor to use as that new local tensor (used when
-    its shape and dtype match; it is overwritten entirely). retired: if a list, released old
-    tensors are appended to it rather than dropped here (see the module docstring).
+    plan: Plan
+    device: int
+    """The device whose part of ``plan`` runs here."""
+    old: dict
+    """(tensor name, state) -> this device's old local tensor (empty for a joiner); entries
+    are released as their last reader finishes."""
+    new_shapes: dict
+    """(tensor name, state) -> (shape, dtype) of this device's new local tensors (empty for a
+    leaver)."""
+    group: object
+    """A process group over every device of the switch (None if no message is sent)."""
+    group_rank: dict[int, int]
+    """Device -> its rank in ``group``."""
+    rounds: list[list[Message]]
+    """The network rounds (:func:`~dynatrain.vps.rounds.schedule_rounds`), alike on every
+    device."""
+    torch_device: torch.device | None = None
+    """Where the new local tensors and staging live (the CPU if None)."""
+    old_pieces: dict | None = None
+    """Same keys as ``old``, the mapping's pieces: with ``new_pieces``, lets identical tensors
+    be adopted uncopied. An adopted tensor is never written, so sending from it to other
+    devices stays correct."""
+    new_pieces: dict | None = None
+    """Same keys as ``new_shapes``, the mapping's pieces (also needed for carving)."""
+    mirrored: dict[int, dict[tuple[str, str], torch.Tensor]] | None = None
+    """Dead device -> its old local tensors (same keys and shapes as its ``old`` would have
+    had) that this device holds as its proxy; moves owned by that device read from there.
+    Mirrors are only read, never adopted or released."""
+    preallocated: dict | None = None
+    """(tensor name, state) -> a tensor to use as that new local tensor (used when its shape
+    and dtype match; it is overwritten entirely)."""
+    retired: list | None = None
+    """If a list, released old tensors are appended to it rather than dropped here (see the
+    module docstring)."""
+    staging: torch.Tensor | None = None
+    """A uint8 buffer of at least :func:`staging_need` bytes that every round packs its sends
+    into and receives into; without one (or if it is too small) one is allocated here."""
+
+
+def execute_transition(inputs: TransitionInputs, config: TransitionConfig = TransitionConfig()
+                       ) -> tuple[dict, TransitionStats]:
+    """Run ``inputs.device``'s part of ``inputs.plan`` (see :class:`TransitionInputs`): set up
+    the new local tensors, do the local copies, then the network rounds, each posting its
+    sends and receives (:func:`_post_round`), waiting for them (:func:`_exchange`) and
+    unpacking what arrived (:func:`_unpack`).
     Returns the new local tensors and statistics.
     """
     t0 = time.perf_counter()
-    stats = TransitionStats()
-    dev = torch_device or torch.device("cpu")
-    mirrored = mirrored or {}
+    run = _Run(inputs, config)
+    stats = run.stats
+    _set_up(run)
+    stats.setup_seconds = time.perf_counter() - t0
+    run.last_use = _last_uses(inputs.plan, inputs.device, inputs.rounds)
+    for key in [k for k in run.old if k not in run.last_use]:   # never read: free at once
+        run.drop(key)
 
-    def source(m, name: str) -> torch.Tensor:
+    with torch.no_grad():
+        _local_copies(run)
+        run.release(-1)
+        stats.copy_seconds = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        faults.inject("transfer", run.device)
+        _stage(run)
+        for r, messages in enumerate(inputs.rounds):
+            mine = [msg for msg in messages if run.device in (msg.src, msg.dst)]
+            if not mine:
+                continue
+            faults.inject("round", run.device, r)
+            stats.rounds += 1
+            _network_round(run, r, mine)
+        stats.network_seconds = time.perf_counter() - t1
+    stats.seconds = time.perf_counter() - t0
+    return run.new, stats
+
+
+class _Run:
+    """One call of :func:`execute_transition`: its inputs, the new local tensors as they are
+    set up, and what is needed to release each old tensor after its last reader."""
+
+    def __init__(self, inputs: TransitionInputs, config: TransitionConfig):
+        self.inputs, self.config = inputs, config
+        self.plan, self.device, self.old = inputs.plan, inputs.device, inputs.old
+        self.stats = TransitionStats()
+        self.dev = inputs.torch_device or torch.device("cpu")
+        self.mirrored = inputs.mirrored or {}
+        self.new: dict = {}
+        self.adopted: set = set()
+        self.carved: dict = {}   # key -> where the kept block lies, for giving the rest back
+        self.last_use: dict = {}
+        self.staging = inputs.staging
+        # One buffer for every round (see _stage); checksums turn direct messages off.
+        self.direct_bytes = None if config.checksums else config.direct_bytes
+        self.extra = CHECKSUM_BYTES if config.checksums else 0
+
+    def source(self, m, name: str) -> torch.Tensor:
         """The old local tensor ``m`` reads ``name`` from: ours, or a dead device's mirror."""
+        device, mirrored = self.device, self.mirrored
         owner = m.src_owner
         if owner == device:
-            return old[(name, m.state)]
+            return self.old[(name, m.state)]
         held = mirrored.get(owner)
         if held is None:
             raise TransitionError(
@@ -190,58 +262,13 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
                                   f"({m.state}), which the plan reads from it")
         return t
 
-    new, adopted = {}, set()
-    preallocated = preallocated or {}
-    for key, (shape, dtype) in new_shapes.items():
-        t = old.get(key)
-        if (t is not None and old_pieces is not None and new_pieces is not None
-                and old_pieces.get(key) == new_pieces.get(key)
-                and tuple(t.shape) == tuple(shape) and t.dtype == dtype):
-            new[key] = t
-            adopted.add(key)
-    carved: dict = {}   # key -> where the kept block lies, for giving the rest back
-    if config.carve and CARVING and dev.type == "cpu" and new_pieces is not None:
-        candidates = {k: t for k, t in old.items() if k not in new and unshared(t)}
-        for key, view in carve_views(plan, device, candidates, new_shapes, new_pieces).items():
-            nbytes = view.numel() * view.element_size()
-            new[key] = view
-            carved[key] = (view.data_ptr(), view.data_ptr() + nbytes)
-            stats.bytes_carved += nbytes
-        del candidates
-    for key, (shape, dtype) in new_shapes.items():
-        if key not in new:
-            t = preallocated.get(key)
-            if (t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype
-                    and t.device == dev):
-                new[key] = t
-                stats.bytes_preallocated += t.numel() * t.element_size()
-            else:
-                new[key] = torch.empty(shape, dtype=dtype, device=dev)
-                stats.bytes_allocated += new[key].numel() * new[key].element_size()
-    stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in adopted)
-    stats.setup_seconds = time.perf_counter() - t0
-
-    # Last reader of each of our own old tensors: -1 = the local copies, r = network round r.
-    # Reads from mirrors do not count: mirrors are kept (see the module docstring).
-    last_use: dict = {}
-    for m in plan.copies:
-        if m.dst == device and m.src_owner == device:
-            for name in plan.groups[m.group].names:
-                last_use[(name, m.state)] = -1
-    for r, messages in enumerate(rounds):
-        for msg in messages:
-            if msg.src == device:
-                for it in msg.items:
-                    mv = plan.transfers[it.move]
-                    if mv.src_owner == device:
-                        last_use[(it.name, mv.state)] = r
-
-    def drop(key) -> None:
-        t = old.pop(key, None)
-        if t is None or key in adopted:
+    def drop(self, key) -> None:
+        t = self.old.pop(key, None)
+        if t is None or key in self.adopted:
             return
-        if key in carved:
-            trim = Trim(t, *carved[key])
+        retired = self.inputs.retired
+        if key in self.carved:
+            trim = Trim(t, *self.carved[key])
             if retired is None:
                 give_back(trim)
             else:
@@ -249,141 +276,252 @@ def execute_transition(plan: Plan, device: int, old: dict, new_shapes: dict, gro
         elif retired is not None:
             retired.append(t)
 
-    def release(upto: int) -> None:
-        for key in [k for k, r in last_use.items() if r <= upto]:
-            drop(key)
-            del last_use[key]
+    def release(self, upto: int) -> None:
+        for key in [k for k, r in self.last_use.items() if r <= upto]:
+            self.drop(key)
+            del self.last_use[key]
 
-    for key in [k for k in old if k not in last_use]:   # never read: free at once
-        drop(key)
 
-    with torch.no_grad():
-        for m in plan.copies:
-            if m.dst != device:
-                continue
+def _set_up(run: _Run) -> None:
+    """The new local tensors: old ones adopted as they are, carved views of old ones, the
+    preallocated ones, and freshly allocated ones, in that order of preference."""
+    inputs, new, stats = run.inputs, run.new, run.stats
+    old_pieces, new_pieces = inputs.old_pieces, inputs.new_pieces
+    for key, (shape, dtype) in inputs.new_shapes.items():
+        t = run.old.get(key)
+        if (t is not None and old_pieces is not None and new_pieces is not None
+                and old_pieces.get(key) == new_pieces.get(key)
+                and tuple(t.shape) == tuple(shape) and t.dtype == dtype):
+            new[key] = t
+            run.adopted.add(key)
+    if run.config.carve and CARVING and run.dev.type == "cpu" and new_pieces is not None:
+        _carve(run)
+    preallocated = inputs.preallocated or {}
+    for key, (shape, dtype) in inputs.new_shapes.items():
+        if key not in new:
+            t = preallocated.get(key)
+            if (t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+                    and t.device == run.dev):
+                new[key] = t
+                stats.bytes_preallocated += t.numel() * t.element_size()
+            else:
+                new[key] = torch.empty(shape, dtype=dtype, device=run.dev)
+                stats.bytes_allocated += new[key].numel() * new[key].element_size()
+    stats.bytes_adopted = sum(new[k].numel() * new[k].element_size() for k in run.adopted)
+
+
+def _carve(run: _Run) -> None:
+    """Make the new local tensors that are one contiguous block of an unshared old tensor of
+    ours views of it (:mod:`dynatrain.vps.carving`)."""
+    candidates = {k: t for k, t in run.old.items() if k not in run.new and unshared(t)}
+    for key, view in carve_views(run.plan, run.device, candidates, run.inputs.new_shapes,
+                                 run.inputs.new_pieces).items():
+        nbytes = view.numel() * view.element_size()
+        run.new[key] = view
+        run.carved[key] = (view.data_ptr(), view.data_ptr() + nbytes)
+        run.stats.bytes_carved += nbytes
+    del candidates
+
+
+def _last_uses(plan: Plan, device: int, rounds: list[list[Message]]) -> dict:
+    """Last reader of each of our own old tensors: -1 = the local copies, r = network round r.
+    Reads from mirrors do not count: mirrors are kept (see the module docstring)."""
+    last_use: dict = {}
+    for m in plan.copies:
+        if m.dst == device and m.src_owner == device:
             for name in plan.groups[m.group].names:
-                if (name, m.state) in adopted and m.src_owner == device:
-                    continue  # already in place: the old tensor is the new one
-                if (name, m.state) in carved:
-                    continue  # already in place: a view of the old tensor (its only writer)
-                region_view(new[(name, m.state)], m.dst_piece, m.box).copy_(
-                    region_view(source(m, name), m.src_piece, m.box))
-                stats.bytes_copied += m.nbytes
-        release(-1)
-        stats.copy_seconds = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        faults.inject("transfer", device)
-        # One buffer for every round, faulted in once (or beforehand), rather than fresh
-        # buffers per round: each round's packed messages are slices of it.
-        direct_bytes = None if config.checksums else config.direct_bytes
-        need = staging_need(rounds, device, direct_bytes)
-        if need and (staging is None or staging.numel() < need or staging.device != dev):
-            staging = torch.empty(need, dtype=torch.uint8, device=dev)
-            stats.bytes_allocated += need
-        elif need:
-            stats.bytes_preallocated += staging.numel()
-        extra = CHECKSUM_BYTES if config.checksums else 0
-        for r, messages in enumerate(rounds):
-            mine = [msg for msg in messages if device in (msg.src, msg.dst)]
-            if not mine:
+                last_use[(name, m.state)] = -1
+    for r, messages in enumerate(rounds):
+        for msg in messages:
+            if msg.src != device:
                 continue
-            faults.inject("round", device, r)
-            stats.rounds += 1
-            t_round = time.perf_counter()
-            # A packed message has tag r << 16, the direct region j of it (r << 16) + 1 + j:
-            # both ends number them the same way.
-            works, inbound, unstaged, staged, offset = [], [], [], 0, 0
-            for msg in mine:
-                packed, direct = split_direct(msg, direct_bytes)
-                size = sum(msg.items[j].nbytes for j in packed)
-                tag = r << 16
-                if msg.src == device:
-                    stats.bytes_sent += msg.nbytes
-                    for j in direct:
-                        it = msg.items[j]
-                        mv = plan.transfers[it.move]
-                        region = region_view(source(mv, it.name), mv.src_piece, mv.box)
-                        if not region.is_contiguous():
-                            region = region.contiguous()
-                            staged += it.nbytes
-                        works.append((msg, group.send([_as_bytes(region)], group_rank[msg.dst],
-                                                      tag + 1 + j)))
-                    if not packed:
-                        continue
-                    buf = staging[offset:offset + size + extra]
-                    offset += slot_bytes(size)
-                    staged += size + extra
-                    parts = []
-                    for j in packed:
-                        it = msg.items[j]
-                        mv = plan.transfers[it.move]
-                        parts.append(_as_bytes(region_view(source(mv, it.name), mv.src_piece,
-                                                       mv.box)))
-                    torch.cat(parts, out=buf[:size])
-                    if config.checksums:
-                        buf[size:].copy_(_checksum(buf[:size]).view(torch.uint8))
-                    works.append((msg, group.send([buf], group_rank[msg.dst], tag)))
-                else:
-                    stats.bytes_received += msg.nbytes
-                    for j in direct:
-                        it = msg.items[j]
-                        mv = plan.transfers[it.move]
-                        dst = region_view(new[(it.name, mv.state)], mv.dst_piece, mv.box)
-                        into = dst
-                        if not dst.is_contiguous():
-                            into = torch.empty(dst.shape, dtype=dst.dtype, device=dev)
-                            unstaged.append((dst, into))
-                            staged += it.nbytes
-                        works.append((msg, group.recv([_as_bytes(into)], group_rank[msg.src],
-                                                      tag + 1 + j)))
-                    if not packed:
-                        continue
-                    buf = staging[offset:offset + size + extra]
-                    offset += slot_bytes(size)
-                    staged += size + extra
-                    works.append((msg, group.recv([buf], group_rank[msg.src], tag)))
-                    inbound.append((msg, packed, buf))
-            stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
-            t_wait = time.perf_counter()
-            stats.post_seconds += t_wait - t_round
-            for msg, _ in works:
-                if msg.src == device:
-                    stats.messages_sent += 1
-                else:
-                    stats.messages_received += 1
-            for msg, work in works:
-                peer = msg.dst if msg.src == device else msg.src
-                try:
-                    if abandon.wait(work, config.timeout) is False:
-                        raise TimeoutError("wait returned False")
-                except Exception as e:  # gloo/NCCL report timeouts and lost peers differently
-                    raise TransitionError(
-                        f"device {device}: round {r} with device {peer} failed after up to "
-                        f"{config.timeout.total_seconds():.0f} s: {e}") from e
-            t_unpack = time.perf_counter()
-            stats.wait_seconds += t_unpack - t_wait
-            for dst, into in unstaged:
-                dst.copy_(into)
-            for msg, packed, buf in inbound:
-                if config.checksums:
-                    # The sums follow the payload, which need not be a multiple of 8 bytes
-                    # (fp32 regions of odd length): copy them out to view them as int64.
-                    payload = buf[:-CHECKSUM_BYTES]
-                    tail = buf[-CHECKSUM_BYTES:].clone()
-                    if not torch.equal(_checksum(payload), tail.view(torch.int64)):
-                        raise TransitionError(f"device {device}: checksum mismatch in the "
-                                              f"message from device {msg.src} (round {r})")
-                    buf = payload
-                at = 0
-                for j in packed:
-                    it = msg.items[j]
-                    mv = plan.transfers[it.move]
-                    dst = region_view(new[(it.name, mv.state)], mv.dst_piece, mv.box)
-                    dst.copy_(buf[at:at + it.nbytes].view(dst.dtype).reshape(dst.shape))
-                    at += it.nbytes
-            release(r)
-            stats.unpack_seconds += time.perf_counter() - t_unpack
-        stats.network_seconds = time.perf_counter() - t1
-    stats.seconds = time.perf_counter() - t0
-    return new, stats
+            for it in msg.items:
+                mv = plan.transfers[it.move]
+                if mv.src_owner == device:
+                    last_use[(it.name, mv.state)] = r
+    return last_use
+
+
+def _local_copies(run: _Run) -> None:
+    """The plan's copies into this device's new local tensors (no network)."""
+    plan, device, new = run.plan, run.device, run.new
+    for m in plan.copies:
+        if m.dst != device:
+            continue
+        for name in plan.groups[m.group].names:
+            if (name, m.state) in run.adopted and m.src_owner == device:
+                continue  # already in place: the old tensor is the new one
+            if (name, m.state) in run.carved:
+                continue  # already in place: a view of the old tensor (its only writer)
+            region_view(new[(name, m.state)], m.dst_piece, m.box).copy_(
+                region_view(run.source(m, name), m.src_piece, m.box))
+            run.stats.bytes_copied += m.nbytes
+
+
+def _stage(run: _Run) -> None:
+    """One buffer for every round, faulted in once (or beforehand), rather than fresh
+    buffers per round: each round's packed messages are slices of it."""
+    need = staging_need(run.inputs.rounds, run.device, run.direct_bytes)
+    staging = run.staging
+    if need and (staging is None or staging.numel() < need or staging.device != run.dev):
+        run.staging = torch.empty(need, dtype=torch.uint8, device=run.dev)
+        run.stats.bytes_allocated += need
+    elif need:
+        run.stats.bytes_preallocated += staging.numel()
+
+
+@dataclass
+class _Round:
+    """One network round in flight: what was posted, and what to unpack once it arrived."""
+
+    works: list = field(default_factory=list)
+    """(message, work) for every send and receive posted, in the order posted."""
+    inbound: list = field(default_factory=list)
+    """(message, indices of its packed items, staging slice) for every packed receive."""
+    unstaged: list = field(default_factory=list)
+    """(non-contiguous destination, contiguous buffer received into) of direct receives."""
+    staged: int = 0
+    offset: int = 0
+
+    def slot(self, staging: torch.Tensor, size: int, extra: int) -> torch.Tensor:
+        """The next slice of ``staging`` for a packed message of ``size`` bytes."""
+        buf = staging[self.offset:self.offset + size + extra]
+        self.offset += slot_bytes(size)
+        self.staged += size + extra
+        return buf
+
+
+def _network_round(run: _Run, r: int, mine: list[Message]) -> None:
+    """Round ``r`` of this device's messages ``mine``: post, wait, unpack, release."""
+    stats = run.stats
+    t_round = time.perf_counter()
+    rnd = _post_round(run, r, mine)
+    stats.peak_staging_bytes = max(stats.peak_staging_bytes, rnd.staged)
+    t_wait = time.perf_counter()
+    stats.post_seconds += t_wait - t_round
+    _exchange(run, r, rnd.works)
+    t_unpack = time.perf_counter()
+    stats.wait_seconds += t_unpack - t_wait
+    _unpack(run, r, rnd)
+    run.release(r)
+    stats.unpack_seconds += time.perf_counter() - t_unpack
+
+
+def _post_round(run: _Run, r: int, mine: list[Message]) -> _Round:
+    """Pack and post every send and receive of round ``r``, message by message in the
+    round's order (every device numbers and orders them alike)."""
+    rnd = _Round()
+    for msg in mine:
+        packed, direct = split_direct(msg, run.direct_bytes)
+        if msg.src == run.device:
+            _post_send(run, r, msg, packed, direct, rnd)
+        else:
+            _post_recv(run, r, msg, packed, direct, rnd)
+    return rnd
+
+
+# A packed message has tag r << 16, the direct region j of it (r << 16) + 1 + j: both ends
+# number them the same way.
+
+
+def _post_send(run: _Run, r: int, msg: Message, packed: list, direct: list,
+               rnd: _Round) -> None:
+    """Post ``msg``'s direct regions, then pack its other regions into staging and post it."""
+    plan, group, group_rank = run.plan, run.inputs.group, run.inputs.group_rank
+    tag = r << 16
+    run.stats.bytes_sent += msg.nbytes
+    for j in direct:
+        it = msg.items[j]
+        mv = plan.transfers[it.move]
+        region = region_view(run.source(mv, it.name), mv.src_piece, mv.box)
+        if not region.is_contiguous():
+            region = region.contiguous()
+            rnd.staged += it.nbytes
+        rnd.works.append((msg, group.send([_as_bytes(region)], group_rank[msg.dst],
+                                          tag + 1 + j)))
+    if not packed:
+        return
+    size = sum(msg.items[j].nbytes for j in packed)
+    buf = rnd.slot(run.staging, size, run.extra)
+    parts = []
+    for j in packed:
+        it = msg.items[j]
+        mv = plan.transfers[it.move]
+        parts.append(_as_bytes(region_view(run.source(mv, it.name), mv.src_piece, mv.box)))
+    torch.cat(parts, out=buf[:size])
+    if run.config.checksums:
+        buf[size:].copy_(_checksum(buf[:size]).view(torch.uint8))
+    rnd.works.append((msg, group.send([buf], group_rank[msg.dst], tag)))
+
+
+def _post_recv(run: _Run, r: int, msg: Message, packed: list, direct: list,
+               rnd: _Round) -> None:
+    """Post receives of ``msg``'s direct regions (into the new tensor where contiguous),
+    then of its packed regions into staging."""
+    plan, group, group_rank = run.plan, run.inputs.group, run.inputs.group_rank
+    tag = r << 16
+    run.stats.bytes_received += msg.nbytes
+    for j in direct:
+        it = msg.items[j]
+        mv = plan.transfers[it.move]
+        dst = region_view(run.new[(it.name, mv.state)], mv.dst_piece, mv.box)
+        into = dst
+        if not dst.is_contiguous():
+            into = torch.empty(dst.shape, dtype=dst.dtype, device=run.dev)
+            rnd.unstaged.append((dst, into))
+            rnd.staged += it.nbytes
+        rnd.works.append((msg, group.recv([_as_bytes(into)], group_rank[msg.src],
+                                          tag + 1 + j)))
+    if not packed:
+        return
+    size = sum(msg.items[j].nbytes for j in packed)
+    buf = rnd.slot(run.staging, size, run.extra)
+    rnd.works.append((msg, group.recv([buf], group_rank[msg.src], tag)))
+    rnd.inbound.append((msg, packed, buf))
+
+
+def _exchange(run: _Run, r: int, works: list) -> None:
+    """Wait for every message posted in round ``r``, in the order posted."""
+    device, timeout, stats = run.device, run.config.timeout, run.stats
+    for msg, _ in works:
+        if msg.src == device:
+            stats.messages_sent += 1
+        else:
+            stats.messages_received += 1
+    for msg, work in works:
+        peer = msg.dst if msg.src == device else msg.src
+        try:
+            if abandon.wait(work, timeout) is False:
+                raise TimeoutError("wait returned False")
+        except Exception as e:  # gloo/NCCL report timeouts and lost peers differently
+            raise TransitionError(
+                f"device {device}: round {r} with device {peer} failed after up to "
+                f"{timeout.total_seconds():.0f} s: {e}") from e
+
+
+def _unpack(run: _Run, r: int, rnd: _Round) -> None:
+    """Copy round ``r``'s received staging (and non-contiguous regions) into place."""
+    for dst, into in rnd.unstaged:
+        dst.copy_(into)
+    for msg, packed, buf in rnd.inbound:
+        if run.config.checksums:
+            buf = _verified(run, r, msg, buf)
+        at = 0
+        for j in packed:
+            it = msg.items[j]
+            mv = run.plan.transfers[it.move]
+            dst = region_view(run.new[(it.name, mv.state)], mv.dst_piece, mv.box)
+            dst.copy_(buf[at:at + it.nbytes].view(dst.dtype).reshape(dst.shape))
+            at += it.nbytes
+
+
+def _verified(run: _Run, r: int, msg: Message, buf: torch.Tensor) -> torch.Tensor:
+    """The payload of a packed message received with checksums, once they match."""
+    # The sums follow the payload, which need not be a multiple of 8 bytes (fp32 regions of
+    # odd length): copy them out to view them as int64.
+    payload = buf[:-CHECKSUM_BYTES]
+    tail = buf[-CHECKSUM_BYTES:].clone()
+    if not torch.equal(_checksum(payload), tail.view(torch.int64)):
+        raise TransitionError(f"device {run.device}: checksum mismatch in the "
+                              f"message from device {msg.src} (round {r})")
+    return payload

@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 
 from dynatrain.vps.boxes import Box, box_extents
-from dynatrain.vps.hf import (INDEX_FILE, SINGLE_FILE, HFCheckpointError, HFSource, hf_arch,
-                              hf_sources, model_from_hf_config, read_hf_config)
+from dynatrain.vps.hf import (INDEX_FILE, SINGLE_FILE, HFCheckpointError, hf_arch,
+                              model_from_hf_config, read_hf_config)
+from dynatrain.vps.hfnames import HFSource, hf_sources
 from dynatrain.vps.model import TensorSpec
 
 from .weights import TORCH_DTYPES

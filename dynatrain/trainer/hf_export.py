@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from dynatrain.vps.boxes import box_extents, box_numel
-from dynatrain.vps.hf import (CONFIG, INDEX_FILE, SINGLE_FILE, arch_for, export_names, hf_arch,
-                              hf_config)
+from dynatrain.vps.hf import CONFIG, INDEX_FILE, SINGLE_FILE, arch_for, hf_arch, hf_config
+from dynatrain.vps.hfnames import export_names
 from dynatrain.vps.model import ModelSpec
 
 from .checkpoint import (_METADATA, CheckpointError, CheckpointPathError, _fqn, latest_checkpoint,

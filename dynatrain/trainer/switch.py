@@ -27,8 +27,8 @@ from dynatrain.vps.carving import CARVING, carve_views, free_in_background
 from dynatrain.vps.generations import PreparedSwitch
 from dynatrain.vps.mapping import rank_shards
 from dynatrain.vps.rounds import staging_need
-from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionStats,
-                                      execute_transition)
+from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionInputs,
+                                      TransitionStats, execute_transition)
 
 from .config import TrainConfig
 from .trainer import LocalState, Trainer
@@ -191,11 +191,14 @@ def _switch(trainer_holder: list, prepared: PreparedSwitch, new_config: TrainCon
     retired = [] if dev.type == "cpu" else None
     late = []                                           # dropped after the pause, on a thread
     try:
-        new, stats = execute_transition(prepared.plan, device, old, new_shapes,
-                                        prepared.transition_group, prepared.group_rank,
-                                        prepared.rounds, config, dev, old_pieces, pieces,
-                                        mirrored=mirrored, preallocated=prepared.preallocated,
-                                        retired=retired, staging=prepared.staging)
+        new, stats = execute_transition(
+            TransitionInputs(plan=prepared.plan, device=device, old=old, new_shapes=new_shapes,
+                             group=prepared.transition_group, group_rank=prepared.group_rank,
+                             rounds=prepared.rounds, torch_device=dev, old_pieces=old_pieces,
+                             new_pieces=pieces, mirrored=mirrored,
+                             preallocated=prepared.preallocated, retired=retired,
+                             staging=prepared.staging),
+            config)
         prepared.preallocated = prepared.staging = None   # new local tensors now, or garbage
         t2 = time.perf_counter()
         step, position, rng = _commit(prepared, device, scalars, dev, config)

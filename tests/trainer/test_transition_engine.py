@@ -4,8 +4,8 @@ Preallocated new tensors are used as the new local tensors (and only when they f
 old tensors are collected instead of freed, and freed later on a thread; the staging buffer is
 sized for what is packed, not for what travels direct; region indexing is done before the
 pause; new tensors that are a contiguous block of an unshared old tensor are carved from it
-(views, no copy) and the rest of its pages go back to the OS. The multi-process checks (bit-exact switches with the direct path on and off) are in
-test_switch.py.
+(views, no copy) and the rest of its pages go back to the OS. The multi-process checks
+(bit-exact switches with the direct path on and off) are in test_switch.py.
 """
 
 import gc
@@ -23,8 +23,14 @@ from dynatrain.vps.planner import plan_switch
 from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.regions import warm_up_regions
 from dynatrain.vps.rounds import Item, Message, staging_need
-from dynatrain.vps.transition import TransitionConfig, execute_transition
+from dynatrain.vps.transition import TransitionConfig, TransitionInputs, execute_transition
 from engine_state import box_of, cut, full_state
+
+
+def _local(plan, old, shapes, **kw) -> TransitionInputs:
+    """Device 0's part of a switch whose moves are all local copies (no group, no rounds)."""
+    return TransitionInputs(plan=plan, device=0, old=old, new_shapes=shapes, group=None,
+                            group_rank={}, rounds=[], **kw)
 
 
 def _local_switch():
@@ -51,8 +57,8 @@ def test_preallocated_tensors_become_the_new_tensors_and_old_ones_are_retired():
     pre[wrong] = torch.zeros(3, dtype=shapes[wrong][1])
     old_refs = [weakref.ref(t) for t in old.values()]
     retired = []
-    new, stats = execute_transition(plan, 0, old, shapes, None, {}, [], mirrored={1: mirror},
-                                    preallocated=pre, retired=retired)
+    new, stats = execute_transition(_local(plan, old, shapes, mirrored={1: mirror},
+                                           preallocated=pre, retired=retired))
     for key, t in new.items():
         assert torch.equal(t, full[key]), key
         assert (t is pre[key]) == (key != wrong), key
@@ -72,7 +78,7 @@ def test_without_retired_old_tensors_are_freed_during_the_switch():
     plan, full, ob, shapes = _local_switch()
     old, _ = cut(ob, 0, full)
     refs = [weakref.ref(t) for t in old.values()]
-    execute_transition(plan, 0, old, shapes, None, {}, [], mirrored={1: cut(ob, 1, full)[0]})
+    execute_transition(_local(plan, old, shapes, mirrored={1: cut(ob, 1, full)[0]}))
     gc.collect()
     assert all(r() is None for r in refs)
 
@@ -83,8 +89,8 @@ def test_regions_are_indexed_before_the_pause():
     warm_up_regions(plan, 0)
     before = regions.region_index.cache_info()
     assert before.currsize > 0
-    execute_transition(plan, 0, cut(ob, 0, full)[0], shapes, None, {}, [],
-                       mirrored={1: cut(ob, 1, full)[0]})
+    execute_transition(_local(plan, cut(ob, 0, full)[0], shapes,
+                              mirrored={1: cut(ob, 1, full)[0]}))
     after = regions.region_index.cache_info()
     assert after.misses == before.misses and after.hits > before.hits
 
@@ -148,9 +154,9 @@ def test_row_blocks_are_carved_and_the_rest_of_the_old_pages_go_back():
              for k, t in old.items()}
     originals = dict(old)
     retired = []
-    new, stats = execute_transition(plan, 0, old, shapes, None, {}, [],
-                                    TransitionConfig(carve=True), old_pieces=old_pieces,
-                                    new_pieces=pieces, retired=retired)
+    new, stats = execute_transition(_local(plan, old, shapes, old_pieces=old_pieces,
+                                           new_pieces=pieces, retired=retired),
+                                    TransitionConfig(carve=True))
     carved = [k for k, t in new.items()
               if spans[k][0] <= t.data_ptr() < spans[k][1] and t is not originals[k]]
     del originals
@@ -178,9 +184,9 @@ def test_a_shared_old_tensor_is_copied_not_carved():
     other = old[key].view(-1)               # another tensor over the same storage
     kept = other.clone()
     retired = []
-    new, _ = execute_transition(plan, 0, old, shapes, None, {}, [],
-                                TransitionConfig(carve=True), old_pieces=old_pieces,
-                                new_pieces=pieces, retired=retired)
+    new, _ = execute_transition(_local(plan, old, shapes, old_pieces=old_pieces,
+                                       new_pieces=pieces, retired=retired),
+                                TransitionConfig(carve=True))
     assert new[key].untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
     free_in_background(retired).join(timeout=30)
     assert torch.equal(other, kept)
@@ -188,9 +194,9 @@ def test_a_shared_old_tensor_is_copied_not_carved():
 
 def test_carving_can_be_turned_off():
     plan, _, shapes, pieces, old, old_pieces = _replica_to_tp()
-    new, stats = execute_transition(plan, 0, old, shapes, None, {}, [],
-                                    TransitionConfig(carve=False), old_pieces=old_pieces,
-                                    new_pieces=pieces)
+    new, stats = execute_transition(_local(plan, old, shapes, old_pieces=old_pieces,
+                                           new_pieces=pieces),
+                                    TransitionConfig(carve=False))
     assert stats.bytes_carved == 0
     assert all(carving.owned(t) is t for t in new.values())
 

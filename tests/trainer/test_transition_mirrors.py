@@ -26,7 +26,8 @@ from dynatrain.vps.planner import PlanError, plan_switch
 from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.regions import piece_view
 from dynatrain.vps.rounds import schedule_rounds
-from dynatrain.vps.transition import TransitionConfig, TransitionError, execute_transition
+from dynatrain.vps.transition import (TransitionConfig, TransitionError, TransitionInputs,
+                                      execute_transition)
 from dynatrain.vps.verify import verify_plan
 from engine_state import box_of, cut, full_state
 
@@ -94,10 +95,11 @@ def _run_case(index: int, case: Case, device: int, store) -> tuple:
     group = dist.ProcessGroupGloo(dist.PrefixStore(f"case{index}", store),
                                   members.index(device), len(members), timedelta(seconds=30))
     new_local, stats = execute_transition(
-        plan, device, old_local, new_shapes, group, {d: i for i, d in enumerate(members)},
-        rounds, TransitionConfig(staging_bytes=STAGING, checksums=True,
-                                 timeout=timedelta(seconds=30)),
-        old_pieces=old_pieces, new_pieces=new_pieces, mirrored=mirrored)
+        TransitionInputs(plan=plan, device=device, old=old_local, new_shapes=new_shapes,
+                         group=group, group_rank={d: i for i, d in enumerate(members)},
+                         rounds=rounds, old_pieces=old_pieces, new_pieces=new_pieces,
+                         mirrored=mirrored),
+        TransitionConfig(staging_bytes=STAGING, checksums=True, timeout=timedelta(seconds=30)))
     wrong = [f"{key} piece {piece.box}" for key, pieces in new_pieces.items() for piece in pieces
              if not torch.equal(piece_view(new_local[key], piece), box_of(full[key], piece.box))]
     wrong += [f"mirror of {d} changed: {k}" for d, m in mirrored.items() for k, t in m.items()
@@ -132,14 +134,17 @@ def test_a_proxy_that_takes_over_copies_from_the_mirror_without_network():
     ob, nb = bind(old, model), bind(new, model)
     shapes = {(rs.tensor.name, rs.state): (rs.local_shape, full[(rs.tensor.name, rs.state)].dtype)
               for rs in rank_shards(nb, 0)}
-    new_local, stats = execute_transition(plan, 0, cut(ob, 0, full)[0], shapes, None, {}, [],
-                                          mirrored={1: cut(ob, 1, full)[0]})
+    def local(**kw):
+        return TransitionInputs(plan=plan, device=0, old=cut(ob, 0, full)[0], new_shapes=shapes,
+                                group=None, group_rank={}, rounds=[], **kw)
+
+    new_local, stats = execute_transition(local(mirrored={1: cut(ob, 1, full)[0]}))
     assert stats.bytes_sent == stats.bytes_received == 0 and new_local.keys() == full.keys()
     for key, t in new_local.items():
         assert torch.equal(t, full[key]), key
     with pytest.raises(TransitionError,
                        match=r"holds no mirror of device 1 .* mirrored=\{1: \.\.\.\}"):
-        execute_transition(plan, 0, cut(ob, 0, full)[0], shapes, None, {}, [])
+        execute_transition(local())
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
