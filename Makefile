@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The operator's environment as its slim image has it (Dockerfile target `operator`): only
 # operator/requirements.txt, and the project itself without its dependencies, so no torch. The
-# operator tests run `dynatrain operator` from it (tests/k8s/operator_process.py): an import of
+# operator tests run `dynatrain operator` from it (tests/harness/operator_process.py): an import of
 # torch on the operator's path fails them, as it would fail the image.
 operator-env: .venv-operator/.installed
 

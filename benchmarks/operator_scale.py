@@ -36,9 +36,9 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "k8s"))
+sys.path.insert(0, str(ROOT / "tests"))          # tests/harness: the operator as a process
 
-from operator_process import GROUP, PLURAL, VERSION, Operator, job, wait  # noqa: E402
+from harness.operator_process import GROUP, PLURAL, VERSION, Operator, job, wait  # noqa: E402
 
 from dynatrain.devcluster import ClusterConfig, DevCluster, NodePool  # noqa: E402
 from dynatrain.devcluster.pods import PodRunner  # noqa: E402

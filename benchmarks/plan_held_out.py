@@ -1,7 +1,7 @@
 """Plan quality on random held-out switches: modelled pause and busiest device's bytes against
 their lower bounds, outside the fixed suite of plan_quality.py.
 
-Draws ``--examples`` switches from the property test's strategy (tests/strategies.py,
+Draws ``--examples`` switches from the property test's strategy (tests/harness/strategies.py,
 ``held_out_transitions``: 16-512 devices on nodes of 8; growth, shrink, and lost devices with
 mirrors on buddies; Llama-2 7B/70B, Mixtral 8x7B and Qwen3-235B-A22B shapes with their depth
 cut), deterministically, plans each on H100 links (vps/timemodel.py) and prints the worst
@@ -22,7 +22,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from strategies import held_out_transitions  # noqa: E402
+from harness.strategies import held_out_transitions  # noqa: E402
 
 from dynatrain.vps.planner import plan_switch  # noqa: E402
 from dynatrain.vps.stats import plan_stats  # noqa: E402

@@ -11,7 +11,7 @@ The dashboard shows one job: its ``namespace`` and ``job`` variables are the lab
 DynaTrain series carries (the DynaTrainJob's namespace and name), and every selector filters on
 both. ``job`` is also the label Prometheus gives every scraped series (the scrape config's
 name): the series' own must win, which is what ``honor_labels: true`` on the scrape config does
-(the chart's ServiceMonitor and PodMonitor set it; tests/test_metrics.py shows what Prometheus
+(the chart's ServiceMonitor and PodMonitor set it; tests/agent/test_metrics.py shows what Prometheus
 does without it). The name ``job`` is kept, not a ``dynatrain_job`` of our own, so that a job's
 series read the same in PromQL as in ``kubectl get dynatrainjob -n <namespace> <job>``.
 
@@ -33,7 +33,7 @@ import pytest
 
 from dynatrain.operator import chart
 from dynatrain.agent.metrics import REASONS, STEP_PHASES, Metrics, TrainingSample
-from prometheus_server import PrometheusServer, require_prometheus
+from harness.prometheus_server import PrometheusServer, require_prometheus
 
 QUERIES = chart.dashboard_queries(rate_interval="1m")
 

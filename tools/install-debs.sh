@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install Debian packages the tests need, once: `tools/install-debs.sh PACKAGE...`.
 #
-# Used by `make test` for Prometheus (tests/test_metrics.py) and for the dev cluster's real
+# Used by `make test` for Prometheus (tests/agent/test_metrics.py) and for the dev cluster's real
 # node: containerd, runc, the CNI plugins and debootstrap (dynatrain/devcluster/kubelet.py,
 # images.py). The tests start every daemon themselves, on their own ports and directories, so
 # this script:

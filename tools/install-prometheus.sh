@@ -1,6 +1,6 @@
 #!/bin/sh
 # A real Prometheus server (Debian's `prometheus` package) for the metrics tests, which start
-# the binary themselves on a free port (tests/test_metrics.py). An existing `prometheus` on
+# the binary themselves on a free port (tests/agent/test_metrics.py). An existing `prometheus` on
 # PATH is used as it is.
 set -eu
 existing=$(command -v prometheus 2>/dev/null || true)

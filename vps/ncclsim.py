@@ -41,7 +41,7 @@ to its end inside the call that enqueues it, as the stream would before any late
 training thread then blocks where a GPU worker's host would (its next host sync), and exactly
 as unreachably: an op whose peer died holds it until the group is aborted or the watchdog acts.
 ``ordered=False`` keeps enqueue, ``wait()`` and :func:`synchronize` apart, for checks of code
-that syncs by itself (``tests/test_ncclsim.py``).
+that syncs by itself (``tests/vps/test_ncclsim.py``).
 
 A test harness setting, never a fallback of the product: nothing chooses it unless asked.
 """

@@ -1,6 +1,6 @@
 """Named model presets with the exact shapes of the published models.
 
-Parameter counts match the published models (checked in tests/test_model.py): llama-2-7b
+Parameter counts match the published models (checked in tests/vps/test_model.py): llama-2-7b
 6,738,415,616; llama-2-70b 68,976,648,192; mixtral-8x7b 46,702,792,704; qwen3-235b-a22b
 235,093,634,560. The GPT-2 presets pad the vocabulary from 50,257 to 50,304 (a multiple of
 128, as nanoGPT and Megatron do) so that tensor parallelism can split it; that adds 0.03%.

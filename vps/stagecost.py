@@ -108,7 +108,7 @@ def _rank_state_bytes(model: ModelSpec, layout: Layout, tensors, dp_index: int,
     The single-rank form of :func:`dynatrain.vps.mapping.rank_shards`, built from the
     mapping's own rules (:func:`tp_box`, :func:`flat_shard_range`, :func:`is_flat_sharded`),
     because ``rank_shards`` derives every rank's shards of a tensor to find one rank's, which
-    for a 64-way layout costs a second per solve. tests/test_solver.py checks that both give
+    for a 64-way layout costs a second per solve. tests/controller/test_solver.py checks that both give
     the same bytes (:func:`mapping_state_bytes`).
     """
     total = 0

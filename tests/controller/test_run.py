@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prometheus_server import PrometheusServer, require_prometheus
+from harness.prometheus_server import PrometheusServer, require_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"

@@ -118,7 +118,7 @@ def operator(devcluster, kubectl, namespace, tmp_path):
     """The CRD applied, `dynatrain operator` running for ``namespace`` (leader election, as in
     a cluster) and a pod runner that runs the job's worker pods as local processes."""
     from dynatrain.devcluster.pods import PodRunner
-    from operator_process import ROOT, Operator
+    from harness.operator_process import ROOT, Operator
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "dynatrainjob.yaml"))

@@ -25,8 +25,8 @@ from dynatrain.agent.metrics import SWITCH_BUCKETS
 from dynatrain.operator.chart import dashboard_queries
 from dynatrain.operator.cluster import METRICS_PORT
 from dynatrain.vps.layout import parse_layout
-from operator_process import GROUP, PLURAL, VERSION, get as _get, job as _job, wait as _wait
-from prometheus_server import PrometheusServer, require_prometheus
+from harness.operator_process import GROUP, PLURAL, VERSION, get as _get, job as _job, wait as _wait
+from harness.prometheus_server import PrometheusServer, require_prometheus
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ from kubernetes import client
 from dynatrain.devcluster import NodePool
 from dynatrain.devcluster.nodes import SPOT_INTERRUPTION_TAINT, Taint, taint, untaint
 
-from operator_process import GROUP, PLURAL, VERSION, Operator, agent_client, condition, \
+from harness.operator_process import GROUP, PLURAL, VERSION, Operator, agent_client, condition, \
     events as _events, get as _get, job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

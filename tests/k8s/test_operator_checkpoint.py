@@ -25,7 +25,7 @@ from kubernetes import client
 
 from dynatrain.trainer.checkpoint import latest_checkpoint
 
-from operator_process import (agent_client, condition, events, get as _get, job as _job,
+from harness.operator_process import (agent_client, condition, events, get as _get, job as _job,
                               job_pods, wait as _wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

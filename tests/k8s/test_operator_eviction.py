@@ -22,7 +22,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from operator_process import events as _events, get as _get, job as _job, wait as _wait
+from harness.operator_process import events as _events, get as _get, job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 LABEL = "dynatrain.io/job"

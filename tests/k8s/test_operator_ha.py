@@ -23,7 +23,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from operator_process import GROUP, PLURAL, ROOT, VERSION, Operator, get as _get, \
+from harness.operator_process import GROUP, PLURAL, ROOT, VERSION, Operator, get as _get, \
     job as _job, wait as _wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -103,7 +103,7 @@ def test_the_standby_takes_over_and_adopts_a_switch_in_flight(devcluster, kubect
             or f"finished the committed switch to generation {generation + 1}" in adopted, adopted
 
     # No orphan: every live pod is a worker of the running layout, all on its generation.
-    from operator_process import agent_client
+    from harness.operator_process import agent_client
 
     live = [p for p in core.list_namespaced_pod(
         namespace, label_selector=f"dynatrain.io/job={name}").items

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from chart_rbac import RELEASE_NAMESPACE, can, chart_identity
-from operator_process import ROOT, Operator, condition, get, job, wait
+from harness.chart_rbac import RELEASE_NAMESPACE, can, chart_identity
+from harness.operator_process import ROOT, Operator, condition, get, job, wait
 
 pytestmark = pytest.mark.k8s
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from kubernetes import client
 
-from operator_process import apply, condition, events, get, job, job_pods, wait
+from harness.operator_process import apply, condition, events, get, job, job_pods, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"

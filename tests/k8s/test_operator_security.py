@@ -31,8 +31,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from chart_rbac import RELEASE_NAMESPACE
-from operator_process import (ROOT, Operator, apply, condition, events, get, job, job_pods,
+from harness.chart_rbac import RELEASE_NAMESPACE
+from harness.operator_process import (ROOT, Operator, apply, condition, events, get, job, job_pods,
                               wait)
 
 pytestmark = pytest.mark.k8s

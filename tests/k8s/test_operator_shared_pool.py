@@ -17,7 +17,7 @@ import yaml
 from kubernetes import client
 
 from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
-from operator_process import agent_client, condition, events, get, job, job_pods, wait
+from harness.operator_process import agent_client, condition, events, get, job, job_pods, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 PRODUCT = "NVIDIA-A100-SXM4-40GB"

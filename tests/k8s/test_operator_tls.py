@@ -13,7 +13,7 @@ the Secrets, reach the running worker (the pod runner re-syncs Secret volumes as
 does) and the job trains on past the first certificates' expiry. A second job names a
 cert-manager Issuer on a cluster without cert-manager: it waits, with a condition saying so.
 (cert-manager's issuance itself is not exercised: the dev cluster has no cert-manager; the
-Certificate objects are checked in tests/test_pki.py.)
+Certificate objects are checked in tests/operator/test_pki.py.)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from cryptography import x509
 from kubernetes import client
 
 from dynatrain.operator import cluster, pki
-from operator_process import agent_client, condition, events, get, job, wait
+from harness.operator_process import agent_client, condition, events, get, job, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

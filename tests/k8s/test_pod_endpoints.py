@@ -20,7 +20,7 @@ from kubernetes import client
 from dynatrain.devcluster import endpoints
 from dynatrain.devcluster.build import ensure_built
 from dynatrain.devcluster.processes import wait_until
-from pod_endpoints import check_pod_endpoints, endpoint_pod
+from harness.pod_endpoints import check_pod_endpoints, endpoint_pod
 
 pytestmark = pytest.mark.k8s
 

@@ -22,7 +22,7 @@ from kubernetes import client
 
 from dynatrain.devcluster import ClusterConfig, DevCluster
 from dynatrain.devcluster.kubelet import REAL_NODE_LABEL, RealNodeConfig, preflight
-from operator_process import Operator, wait
+from harness.operator_process import Operator, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
@@ -127,7 +127,7 @@ def test_kubectl_logs_previous_exec_and_port_forward_reach_a_container(real_clus
     import datetime
 
     from dynatrain.devcluster.build import ensure_built
-    from pod_endpoints import check_pod_endpoints, endpoint_pod
+    from harness.pod_endpoints import check_pod_endpoints, endpoint_pod
 
     core = real_cluster.core()
     core.create_namespaced_pod(real_namespace, endpoint_pod(

@@ -164,7 +164,7 @@ def test_a_peer_lost_mid_transfer_is_named_on_every_survivor(mode):
     import torch.distributed as dist
 
     from dynatrain.vps.placement import place_devices
-    from switch_harness import fault_worker
+    from harness.switch_harness import fault_worker
 
     old_cfg = make_config("gpt-tiny", "dp=2", **KW)
     new_cfg = make_config("gpt-tiny", "dp=4", **KW)        # devices 0, 1 send to 2, 3

@@ -5,7 +5,7 @@ so these tests give the builder a two-file module whose ``tool`` is a main packa
 and check what the big builds rely on: the cache key ignores comments but not pins, flags or
 environment; a cached build is never redone; two builders at once build once; a failed build
 names its log; a missing Go says what to install. Without go on PATH they build with the
-toolchain :mod:`~dynatrain.devcluster.goinstall` installs (tests/test_goinstall.py).
+toolchain :mod:`~dynatrain.devcluster.goinstall` installs (tests/devcluster/test_goinstall.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ server gets a temporary data directory, scrapes every second, and discovers its 
 
 Import it the way the other helpers here are imported (pytest puts ``tests/`` on ``sys.path``)::
 
-    from prometheus_server import PrometheusServer, prometheus  # `prometheus` is a fixture
+    from harness.prometheus_server import PrometheusServer, prometheus  # `prometheus` is a fixture
 
 The scrape config sets ``honor_labels: true``, as the Helm chart's ServiceMonitor and
 PodMonitor do: DynaTrain's series carry their own ``job`` (the DynaTrainJob's name) and

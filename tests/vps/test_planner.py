@@ -11,7 +11,7 @@ from dynatrain.vps.presets import PRESETS
 from dynatrain.vps.stats import device_traffic, plan_stats
 from dynatrain.vps.verify import verify_plan
 
-from strategies import layouts, models, recoveries, transitions
+from harness.strategies import layouts, models, recoveries, transitions
 
 
 @given(transitions())

@@ -147,7 +147,7 @@ def test_cert_manager_certificates():
 
     from pathlib import Path
 
-    doc = yaml.safe_load((Path(__file__).parents[1] / "examples" / "dynatrainjob.yaml")
+    doc = yaml.safe_load((Path(__file__).parents[2] / "examples" / "dynatrainjob.yaml")
                          .read_text())
     doc["spec"].setdefault("agent", {})["issuerRef"] = {"name": "team-ca"}
     ref = job_from_manifest(doc).issuer_ref       # the parser fills in the CRD's defaults

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from dynatrain.agent.metrics import (PHASES, STEP_PHASES, SWITCH_BUCKETS, JobMetricsSet, Metrics,
                                      TrainingSample)
 from dynatrain.vps.layout import Layout
-from prometheus_server import PrometheusServer, require_prometheus, sample_value
-from prometheus_server import prometheus  # noqa: F401  (a fixture)
+from harness.prometheus_server import PrometheusServer, require_prometheus, sample_value
+from harness.prometheus_server import prometheus  # noqa: F401  (a fixture)
 
 JOB = {"namespace": "research", "job": "llama"}
 """The identity of the job the metrics below belong to: every series carries it."""

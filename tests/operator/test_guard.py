@@ -13,7 +13,7 @@ from kubernetes import client
 from dynatrain.operator import cluster as k
 from dynatrain.operator import guard, netpol
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BODY = {"apiVersion": "dynatrain.io/v1alpha1", "kind": "DynaTrainJob",
         "metadata": {"name": "job", "namespace": "ns", "uid": "u-1"},
         "spec": {"image": "img:1", "resources": {"gpus": 1}}}

@@ -17,7 +17,7 @@ import yaml
 
 from dynatrain.trainer import backend as b
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(tmp_path, gpus: int, name: str = "job") -> str:

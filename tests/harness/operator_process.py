@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from chart_rbac import RELEASE_NAMESPACE
+from harness.chart_rbac import RELEASE_NAMESPACE
 from dynatrain.ports import free_port
 
 
@@ -56,7 +56,7 @@ class Operator:
     def __init__(self, devcluster, namespace: str, workdir: Path, *,
                  rendezvous_host: str = "127.0.0.1", standalone: bool = False,
                  tick_s: float = 0.3, kubeconfig: Path | None = None):
-        from chart_rbac import chart_identity
+        from harness.chart_rbac import chart_identity
 
         chart = chart_identity(devcluster)       # also makes the release namespace (the Lease's)
         self.kubeconfig = kubeconfig or chart.kubeconfig

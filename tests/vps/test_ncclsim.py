@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from dynatrain.ports import free_port as _port
 
-RANKS = Path(__file__).with_name("ncclsim_ranks.py")
+RANKS = Path(__file__).resolve().parents[1] / "harness" / "ncclsim_ranks.py"
 
 
 def run(name: str, world: int = 2, env: dict | None = None, timeout: float = 60):

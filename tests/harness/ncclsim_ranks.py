@@ -1,4 +1,4 @@
-"""One rank of a tests/test_ncclsim.py scenario: ``python ncclsim_ranks.py NAME RANK WORLD PORT``.
+"""One rank of a tests/vps/test_ncclsim.py scenario: ``python ncclsim_ranks.py NAME RANK WORLD PORT``.
 
 Prints one JSON line of results (the test reads the last line); the exit code is part of the
 result (the watchdog's abort is a SIGABRT)."""

@@ -7,7 +7,7 @@ from dynatrain.vps.layout import bind, parse_layout
 from dynatrain.vps.mapping import model_states, rank_shards, shards
 from dynatrain.vps.presets import PRESETS
 
-from strategies import layouts, models
+from harness.strategies import layouts, models
 from hypothesis import strategies as st
 
 

@@ -2,7 +2,7 @@
 
 The Dockerfile's ``operator`` target installs operator/requirements.txt and the project's wheel
 ``--no-deps``; ``make operator-env`` makes the same environment in ``.venv-operator``, from which
-the operator tests (tests/k8s/operator_process.py) run ``dynatrain operator``. Here: the
+the operator tests (tests/harness/operator_process.py) run ``dynatrain operator``. Here: the
 requirements are pyproject's own specifiers and name no torch; the environment really has no
 torch, and the operator's modules import and its command line answers there; the Dockerfile's
 stage installs exactly that file, ``--no-deps``, and the chart runs that image.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "operator" / "requirements.txt"
 ENV_PYTHON = ROOT / ".venv-operator" / "bin" / "python"
 

@@ -20,7 +20,7 @@ from dynatrain.vps.timemodel import Links, lower_bound_seconds, port_bytes
 from dynatrain.vps.topology import node_of
 from dynatrain.vps.verify import verify_plan
 
-from strategies import recoveries, transitions
+from harness.strategies import recoveries, transitions
 
 MODEL = PRESETS["gpt-tiny"]
 R = MODEL.num_params * (4 + 4 + 4)  # param, exp_avg, exp_avg_sq: fp32 each

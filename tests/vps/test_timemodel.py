@@ -15,7 +15,7 @@ from dynatrain.vps.timemodel import (Links, _send_seconds, lower_bound_bytes,
                                      lower_bound_seconds, makespan, port_bytes)
 from dynatrain.vps.verify import verify_plan
 
-from strategies import held_out_transitions, recoveries, transitions
+from harness.strategies import held_out_transitions, recoveries, transitions
 
 GB = 10 ** 9
 LINKS = Links(intra=9 * GB, inter=1 * GB)  # round numbers: NVLink 9x the NIC
