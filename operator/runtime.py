@@ -49,15 +49,13 @@ agents (:meth:`JobController.adopt`), finishing or aborting a switch that was in
 the pass. The rest lives in rooms of one role each, which it owns and hands what they use
 (#32: one class did everything): :mod:`.status` (conditions, the status patch, the data
 audit, Events), :mod:`.jobtls` (the TLS material, both kinds, and the agents' clients),
-:mod:`.pods` (the worker pods: trust, creation, replacement, deletion) and :mod:`.basics`
-(settings, back-off). The names other modules import from here are re-exported.
+:mod:`.pods` (the worker pods: trust, creation, replacement, deletion), :mod:`.objects`
+(the Secret, ConfigMap, Service and NetworkPolicy) and :mod:`.basics` (settings, back-off). The names other modules import from here are re-exported.
 """
 
 from __future__ import annotations
 
-import base64
 import copy
-import secrets
 import time
 import traceback
 from dataclasses import replace
@@ -68,18 +66,18 @@ from kubernetes.client.rest import ApiException
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller import decide
 from dynatrain.controller.core import JobController, JobFailed, SuspendFailed
-from dynatrain.spec.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
-                                           profile_for_node_labels)
-from dynatrain.spec.job import JobError, job_from_manifest
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
 from dynatrain.controller.rendezvous import RendezvousServer
+from dynatrain.spec.hardware import (GPU_PRODUCT_LABEL, PROFILES, DeviceProfile,
+                                     profile_for_node_labels)
+from dynatrain.spec.job import JobError, job_from_manifest
 
 from . import cluster as k
-from . import guard, netpol
 from .basics import Backoff, JobContext, Settings, Waiting as _Waiting, api_message as _api_message
 from .basics import now as _now
 from .jobtls import JobTls
+from .objects import JobObjects
 from .pods import WorkerPods
 from .status import (AUDIT_EVERY_S, GROUP, PLURAL, TERMINAL, VERSION, Conditions, Report,
                      seconds_to_expiry)
@@ -145,7 +143,6 @@ class JobRuntime:
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.net = client.NetworkingV1Api(api)
         self.view = view
         self.log = log
         self.body = body
@@ -156,7 +153,6 @@ class JobRuntime:
         self.controller: JobController | None = None
         self.store = None
         self.seen_spec = None
-        self.token, self.secret_name = "", ""
         published = body.get("status") or {}
         self.report = Report(core=self.core, custom=self.custom, namespace=self.namespace,
                              name=self.name, body=lambda: self.body, log=log, settings=settings,
@@ -173,7 +169,6 @@ class JobRuntime:
         self.last_switch: dict | None = (body.get("status") or {}).get("lastSwitch")
         """As published; a restarted operator (or a replica taking over) keeps the last."""
         self.errors = Backoff(settings.backoff_first_s, settings.backoff_max_s)
-        self.objects_checked = float("-inf")
         self.created = time.monotonic()
         self.adopted = False
         self.took_over = False
@@ -187,11 +182,13 @@ class JobRuntime:
                          conditions=self.conditions, job=lambda: self.job,
                          body=lambda: self.body, generation=self._generation,
                          controller=lambda: self.controller)
+        self.objects = JobObjects(ctx, net=client.NetworkingV1Api(api),
+                                  pki=lambda: self.jobtls)
         self.pods = WorkerPods(
-            ctx, view=view, secret_name=lambda: self.secret_name, publish=self._publish,
+            ctx, view=view, secret_name=lambda: self.objects.secret_name, publish=self._publish,
             worker_uids=set((body.get("status") or {}).get("workerUIDs") or []))
-        self.jobtls = JobTls(ctx, cert_manager=self.custom, token=lambda: self.token,
-                             ensure=self._ensure)
+        self.jobtls = JobTls(ctx, cert_manager=self.custom, token=lambda: self.objects.token,
+                             ensure=self.objects.ensure_one)
 
     # -- the pass --------------------------------------------------------------------------------
     def reconcile(self, body: dict) -> float | None:
@@ -205,7 +202,7 @@ class JobRuntime:
                 return None
             self._take_spec(body)
             if self.job is not None:
-                self._ensure_objects()
+                self.objects.ensure()
                 self._tick()
             self.errors.reset()
             self.conditions.set("Reconciled", True, "Reconciled", "", self._generation())
@@ -258,7 +255,7 @@ class JobRuntime:
             self.log(f"job {self.name}: {text}")
             return
         self.conditions.set("SpecValid", True, "Accepted", f"generation {gen}", gen)
-        self.objects_checked = float("-inf")          # the ConfigMap follows the spec
+        self.objects.checked = float("-inf")          # the ConfigMap follows the spec
         if self.job is None:
             self._start(job)
             return
@@ -304,103 +301,6 @@ class JobRuntime:
         self.controller.on_answer = self._answered
         self.controller.intake = self._intake
         self.created = time.monotonic()
-
-    # -- objects the job needs -------------------------------------------------------------------
-    def _ensure_objects(self) -> None:
-        if (time.monotonic() - self.objects_checked < self.settings.objects_every_s
-                and not (self.jobtls.pki_due is not None and _now() >= self.jobtls.pki_due)):
-            return
-        ns, body, names = self.namespace, self.body, k.names(self.name)
-        secret = self.job.auth_secret
-        if secret is None:
-            secret = names["secret"]
-            self._ensure(self.core.read_namespaced_secret, self.core.create_namespaced_secret,
-                         self.core.delete_namespaced_secret, None, "Secret", secret,
-                         lambda: k.token_secret(body, secrets.token_urlsafe(32)), None)
-        self.secret_name = secret
-        token_secret = self.core.read_namespaced_secret(secret, ns)
-        # A Secret the job names must be labelled for it; the operator's own (made above,
-        # labelled since, unlabelled if an older operator made it) is this job's already.
-        refused = guard.check_auth_secret(token_secret, ns) if self.job.auth_secret else ""
-        if refused:                # never mounted, never read: the job fails (the Secret's
-            #                        label is its owner's consent; spec.agent cannot change)
-            if self.conditions.set("AuthSecretAllowed", False, "SecretNotLabelled", refused,
-                                   self._generation()):
-                self._event("Warning", "SecretNotLabelled", refused)
-            raise JobFailed(refused)
-        self.conditions.set("AuthSecretAllowed", True, "Labelled",
-                            f"{guard.AGENT_TOKEN_LABEL}=true", self._generation())
-        data = token_secret.data or {}
-        if "token" not in data:
-            raise JobError(f"secret {ns}/{secret} (spec.agent.authSecret) has no key 'token'")
-        self.token = base64.b64decode(data["token"]).decode().strip()
-        self._ensure(self.core.read_namespaced_config_map, self.core.create_namespaced_config_map,
-                     self.core.delete_namespaced_config_map,
-                     self.core.patch_namespaced_config_map, "ConfigMap", names["configmap"],
-                     lambda: k.spec_configmap(body), lambda obj, want: obj.data != want["data"])
-        self._ensure(self.core.read_namespaced_service, self.core.create_namespaced_service,
-                     self.core.delete_namespaced_service, self.core.patch_namespaced_service,
-                     "Service", names["service"],
-                     lambda: k.headless_service(body, self.job.agent_port),
-                     lambda obj, want: sorted((p.name, p.port) for p in obj.spec.ports or [])
-                     != sorted((p["name"], p["port"]) for p in want["spec"]["ports"]))
-        if self.settings.network_policy:     # who may reach the workers (operator/netpol.py)
-            s = self.settings
-            self._ensure(self.net.read_namespaced_network_policy,
-                         self.net.create_namespaced_network_policy,
-                         self.net.delete_namespaced_network_policy,
-                         self.net.patch_namespaced_network_policy,
-                         "NetworkPolicy", netpol.policy_name(self.name),
-                         lambda: netpol.worker_policy(
-                             body, agent_port=self.job.agent_port,
-                             operator_namespace=s.operator_namespace,
-                             operator_pod_labels=s.operator_pod_labels,
-                             metrics_namespaces=s.metrics_namespaces),
-                         netpol.spec_differs)
-        self.jobtls.ensure_pki()
-        self.conditions.set("ObjectsReady", True, "Ready", "", self._generation())
-        self.objects_checked = time.monotonic()
-
-    def _ensure(self, read, create, delete, patch, kind: str, name: str, manifest, differs):
-        """Make the object ``name`` this job's and as ``manifest()`` says.
-
-        One of a previous job of the same name (its owner is another UID: the old job was
-        deleted and this one created before the garbage collector got to it) is deleted and
-        created anew; adopting it would let the collector delete it under this job. One that
-        no DynaTrainJob owns is somebody else's: the job waits, with a condition saying so.
-        """
-        ns = self.namespace
-        try:
-            obj = read(name, ns)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            obj = None
-        if obj is not None:
-            owner = k.foreign_owner(obj, self.uid)
-            if owner.startswith("a previous DynaTrainJob"):
-                self.log(f"job {self.name}: {kind} {name} belongs to {owner}: replacing it")
-                try:
-                    delete(name, ns, body=client.V1DeleteOptions(
-                        preconditions=client.V1Preconditions(uid=obj.metadata.uid)))
-                except ApiException as e:
-                    if e.status not in (404, 409):
-                        raise
-                obj = None
-            elif owner:
-                text = (f"{kind} {ns}/{name} exists and belongs to {owner}; the job needs "
-                        "that name: delete the object or rename the job")
-                if self.conditions.set("ObjectsReady", False, "NameTaken", text,
-                                       self._generation()):
-                    self._event("Warning", "NameTaken", text)
-                raise _Waiting(text)
-        want = manifest()
-        if obj is None:
-            create(ns, want)          # a 409 here (deletion not finished) retries the pass
-            self.log(f"job {self.name}: {kind} {name} created")
-        elif differs is not None and differs(obj, want):
-            patch(name, ns, want)
-            self.log(f"job {self.name}: {kind} {name} updated to the spec")
 
     # -- one tick ---------------------------------------------------------------------------------
     def _observe(self):
