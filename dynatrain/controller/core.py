@@ -14,6 +14,12 @@ notice on a device of the target, a user's request over a voluntary switch) is a
 re-planned at once; a signal that does not conflict is merged into the next decision. Every
 requested layout is answered (:class:`LayoutRequest`): applied, waiting for capacity with the
 reason, superseded, or refused with the solver's reason.
+
+The controller keeps the job's state and its switch machinery here; three roles that work on
+that state live beside it as functions of the controller: reading progress and the watchdog
+(:mod:`.polling`), recovery after devices die without notice (:mod:`.recovery`), and taking
+over a running job after a restart (:mod:`.adopt`). :class:`JobFailed` and
+:class:`SuspendFailed` are defined in :mod:`.errors` and importable from here as before.
 """
 
 from __future__ import annotations
@@ -21,33 +27,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-import grpc
-
 from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import decide
-from .costmodel import SolverError
-from .decide import choose_restore
+from . import decide, polling, recovery
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
-from .orchestrator import Restore, SwitchFailed, SwitchRecord, Timeouts, switch
+from .adopt import adopt as _adopt
+from .errors import JobFailed, SuspendFailed, layout_text as _text
+from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
 from .policy import Policy
 from .progress import Progress
 
 State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3
-
-
-class JobFailed(RuntimeError):
-    """The job cannot go on; the message says why and what was tried."""
-
-
-class SuspendFailed(RuntimeError):
-    """No checkpoint was written for a suspend; the message says why (the job trains on)."""
 
 
 @dataclass
@@ -300,68 +296,10 @@ class JobController:
 
     # -- taking over a running job ---------------------------------------------------------------
     def adopt(self) -> str:
-        """Take over a job whose agents already run (the controller restarted).
-
-        The running generation is the highest that any agent runs; its layout and devices come
-        from those agents. A generation prepared but not switched is finished when every device
-        of it is ready and one of them already holds its Commit (the old controller was inside
-        phase two: the others must commit too, or the committed ones wait forever), and is
-        aborted otherwise (phase one: nothing moved; the policy will decide again).
-        Returns what was found, for the log.
-        """
-        statuses = {}
-        for d, c in self.clients.items():
-            try:
-                statuses[d] = c.status(since_step=1 << 62)
-            except AgentCallError:
-                continue
-        running = [st for st in statuses.values()
-                   if st.state in (State.TRAINING, State.FINISHED, State.SWITCHING)
-                   and st.generation > 0]
-        self.generation = max([self.generation] + [st.generation for st in statuses.values()]
-                              + [st.prepared_generation for st in statuses.values()] + [0])
-        if not running:
-            return "no running generation: starting fresh"
-        top = max(st.generation for st in running)
-        lead = next(st for st in running if st.generation == top and st.layout)
-        from dynatrain.vps.layout import parse_layout
-
-        self.layout = parse_layout(lead.layout).with_devices(lead.devices)
-        self.generation_running = top
-        for d in self.layout.device_of:
-            if d in statuses:
-                self._seen[d] = statuses[d].step
-        self.progress.step = max(st.step for st in running)
-        found = f"running generation {top}: {self.layout.to_text()} on {list(lead.devices)}"
-        pending = {d: st for d, st in statuses.items() if st.prepared_generation > top}
-        if not pending:
-            return found
-        g = max(st.prepared_generation for st in pending.values())
-        sample = next(st for st in pending.values() if st.prepared_generation == g)
-        new = parse_layout(sample.prepared_layout).with_devices(sample.prepared_devices)
-        members = sorted(set(self.layout.device_of) | set(new.device_of))
-        ready = all(d in pending and pending[d].prepared_generation == g
-                    and pending[d].prepared_ready for d in members)
-        if ready and any(st.prepared_committed for st in pending.values()):
-            from .orchestrator import _fan_out
-
-            replies = _fan_out(lambda d: self.clients[d].commit(
-                g, 0, timeout_s=self.timeouts.commit_s), members)
-            bad = [(d, r) for d, r in zip(members, replies) if isinstance(r, Exception)]
-            if bad:
-                raise JobFailed(f"finishing generation {g} after a restart failed: {bad}")
-            old, self.layout = self.layout, new
-            self.generation_running = g
-            self.metrics.set_layout(new)
-            self.metrics.set_generation(g)
-            return found + f"; finished the committed switch to generation {g} ({_text(old)} " \
-                           f"-> {new.to_text()})"
-        for d, st in pending.items():
-            try:
-                self.clients[d].abort(st.prepared_generation, "controller restarted")
-            except AgentCallError:
-                pass
-        return found + f"; aborted the uncommitted generation {g}"
+        """Take over a job whose agents already run (the controller restarted): finish or abort
+        a switch left between its phases. Returns what was found, for the log
+        (:func:`.adopt.adopt`)."""
+        return _adopt(self)
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> SwitchRecord | None:
@@ -379,7 +317,7 @@ class JobController:
         if isinstance(action, decide.GiveUp):
             raise JobFailed(action.why)
         if isinstance(action, decide.Recover):
-            return self._recover()
+            return recovery.recover(self)
         if isinstance(action, decide.Refuse):
             self._refuse(req, action.why)
             return None
@@ -430,99 +368,12 @@ class JobController:
                                  present=frozenset(self.clients))
 
     def poll(self, *, judge: bool = True) -> Progress:
-        """Collect step records from every member (each reports its own data reads).
-
-        The watchdog: a member that does not answer Status within ``timeouts.status_s``
-        missed one; one that has missed every call for ``timeouts.watchdog_s`` (a stopped or
-        hung process) is declared failed. One that refuses the connection has exited.
-        ``judge=False`` (while a switch runs: a leaver exits as it ends, and the switch
-        watches its devices itself) only reads progress."""
-        p = self.progress
-        states, waits = [], {}
-        now = time.monotonic()
-        for d in self.members:
-            if d in self.failed or d not in self.clients:
-                continue
-            try:
-                st = self.clients[d].status(since_step=self._seen.get(d, 0),
-                                            timeout_s=self.timeouts.status_s)
-            except AgentCallError as e:
-                slow = e.code == grpc.StatusCode.DEADLINE_EXCEEDED
-                if slow:
-                    self._misses[d] = self._misses.get(d, 0) + 1
-                silent = now - self._last_answer.setdefault(d, now)
-                why = decide.after_status_error(slow=slow, silent_s=silent,
-                                                watchdog_s=self.timeouts.watchdog_s)
-                if judge and why is not None:
-                    self.fail_device(d, why if slow else f"{why}: {e}")
-                continue
-            self._last_answer[d] = time.monotonic()
-            self._misses.pop(d, None)
-            if st.leaving and d not in self.doomed and decide.acts_on_notice(self.job):
-                # Told to leave (SIGTERM with a grace period): a notice from the worker itself
-                # (spec.preemptionPolicy Ignore: it is lost at its deadline, and recovered).
-                self.log(f"device {d} is leaving ({st.leaving_in_seconds:.0f} s of its grace "
-                         "period left): switching it out")
-                self.notice(d, st.leaving_in_seconds)
-            if st.state == State.FAILED and judge:
-                raise JobFailed(f"device {d} failed: {st.error}")
-            states.append(st.state)
-            if st.state == State.TRAINING:
-                waits[d] = st.collective_wait_seconds
-            self._ingest(d, st)
-        if not judge:
-            return p
-        self._find_hung(waits)
-        if State.INTERRUPTED in states:
-            if self.interrupted_since is None:
-                self.interrupted_since = time.monotonic()
-        else:
-            self.interrupted_since = None
-        if states and not self.failed:
-            p.finished = all(s == State.FINISHED for s in states)
-        return p
-
-    def _find_hung(self, waits: dict[int, float]) -> None:
-        """The watchdog's second case: members that answer Status but make no progress. When
-        the job has trained no step for the watchdog's time (or three steps' time, if steps
-        are longer), the members that have waited in a collective for half of it are waiting
-        for the ones that wait for nothing: those hang (stuck outside any collective) and are
-        declared failed. When every member waits, the hang is inside the collectives and no
-        one can be blamed: the collective timeout ends it."""
-        limit = max(self.timeouts.watchdog_s, 3 * self._step_seconds)
-        stalled = time.monotonic() - self._last_step_at
-        if self.layout is None:
-            return
-        waiting = sorted(d for d, w in waits.items() if w >= limit / 2)
-        for d in decide.hung(waits, stalled_s=stalled, limit_s=limit):
-            self.fail_device(d, f"hung: no step for {stalled:.1f} s while devices {waiting} "
-                                f"wait for it in a collective (watchdog {limit:g} s)")
+        """Collect step records from every member, and declare failed the ones the watchdog
+        finds stopped or hung; ``judge=False`` only reads progress (:func:`.polling.poll`)."""
+        return polling.poll(self, judge=judge)
 
     def _ingest(self, device: int, st) -> None:
-        p = self.progress
-        for rec in st.steps:
-            if rec.step <= self._seen.get(device, 0):
-                continue
-            self._seen[device] = rec.step
-            if rec.end_time:
-                self.first_step_end.setdefault(rec.generation, rec.end_time)
-            if rec.end_time and self.step_times is not None:
-                key = (rec.generation, rec.step)
-                start, end = rec.end_time - rec.seconds, rec.end_time
-                if key in self.step_times:
-                    was = self.step_times[key]
-                    start, end = min(start, was[0]), max(end, was[1])
-                self.step_times[key] = (start, end)
-            p.losses.setdefault(rec.step, rec.loss)
-            if rec.end_time:
-                p.timeline[rec.step] = (rec.end_time, rec.tokens_per_second)
-            if rec.sample_end > rec.sample_begin:
-                p.reads.setdefault(rec.step, {})[device] = (rec.sample_begin, rec.sample_end)
-            if rec.step >= p.step:
-                if rec.step > p.step:
-                    self._last_step_at = time.monotonic()
-                    self._step_seconds = rec.seconds
-                p.step, p.loss, p.tokens_per_second = rec.step, rec.loss, rec.tokens_per_second
+        polling.ingest(self, device, st)
 
     def _drop_unreachable(self, devices) -> bool:
         """Ask each device for its Status; fail (members) or drop (others) those that do not
@@ -609,127 +460,6 @@ class JobController:
         raise JobFailed(f"switch {_text(old)} -> {new.to_text()} ({reason}) failed "
                         f"{MAX_ATTEMPTS} times; last error: {last_error}")
 
-    # -- recovery from unplanned failures ----------------------------------------------------------
-    def _recover(self) -> SwitchRecord | None:
-        """Bring the job back after devices died without notice: a new layout over the
-        devices left, started from the last step whose state survives in memory (every
-        survivor's snapshot; the failed devices' unique state from their buddies' mirrors), or
-        from the newest checkpoint when no in-memory copy survives."""
-        if self._reconcile() and not self.failed and self.interrupted_since is None:
-            self.metrics.set_layout(self.layout)
-            self.metrics.set_generation(self.generation_running)
-            return None                    # the survivors train on: nothing to recover
-        old, failed = self.layout, tuple(sorted(self.failed & set(self.members)))
-        t0 = time.monotonic()
-        try:
-            decision = self.policy.decide(self.job, self.profile, old, self.usable,
-                                          set(self.doomed) | set(failed), self.progress.step)
-        except SolverError as e:
-            raise JobFailed(f"devices {list(failed)} failed and no layout fits the "
-                            f"{len(self.usable)} devices left: {e}") from e
-        new = decision.layout if decision is not None else old
-        self._decided("failure", new)
-        holdings = {}
-        for d in sorted(set(self.clients) & (set(old.device_of) | set(new.device_of)
-                                             | set(self.previous_devices))):
-            try:
-                holdings[d] = self.clients[d].status(since_step=self._seen.get(d, 0),
-                                                     timeout_s=self.timeouts.watchdog_s)
-            except AgentCallError as e:
-                # Lost too: recover again over the devices that answer.
-                self.fail_device(d, f"does not answer during the recovery from the failure "
-                                    f"of devices {list(failed)}: {e}")
-                return None
-            if d in old.device_of:
-                self._ingest(d, holdings[d])        # steps reported since the last poll
-        choice = choose_restore(self.job.model, old, new, failed, holdings,
-                                devices_per_node=self._nodes_for(old, new))
-        start, dead, earlier = old, failed, ""
-        if choice is None:
-            found = self._previous_restore(new, holdings)
-            if found is not None:
-                start, dead, choice = found
-                earlier = (f" of the generation before the last switch ({start.to_text()} on "
-                           f"{list(start.device_of)}; the running one has no whole copy yet)")
-        lost_from = self.progress.step
-        self.generation += 1
-        if choice is not None:
-            restore = Restore(choice[0], dead, choice[1])
-            what = (f"restoring step {restore.step}{earlier} from memory"
-                    + (f" (mirrors of {sorted(restore.proxies)} on "
-                       f"{[restore.proxies[k] for k in sorted(restore.proxies)]})"
-                       if restore.proxies else ""))
-            self.log(f"recovering: {_text(old)} -> {new.to_text()}, {what}")
-            kw = dict(restore=restore)
-        else:
-            ckpt = max(((st.checkpoint_step, st.checkpoint) for st in holdings.values()
-                        if st.checkpoint), default=None)
-            if ckpt is None:
-                raise JobFailed(
-                    f"devices {list(failed)} failed and no copy of their state survives in "
-                    f"memory (their buddies are gone too, or spec.recovery.mirror is off), and "
-                    f"there is no checkpoint to fall back on (set spec.checkpoint."
-                    f"intervalSteps); the job stops at step {self.progress.step}")
-            self.log(f"recovering: no in-memory copy of the state of {list(failed)} survives; "
-                     f"restarting {new.to_text()} from checkpoint {ckpt[1]} (step {ckpt[0]})")
-            kw = dict(checkpoint=ckpt[1])
-            start = None
-        involved = (set(start.device_of if start else old.device_of) | set(new.device_of)) \
-            - set(dead)
-        try:
-            record = self._run_switch(self.generation, start, new, "failure", involved, **kw)
-        except SwitchFailed as e:
-            self.metrics.observe_switch("failure", "aborted" if e.retryable else "failed",
-                                        {}, 0)
-            if e.superseded or (e.retryable and self._drop_unreachable(involved)):
-                # A newer signal (another device lost, a notice on the target): recover again
-                # at once over what is left; the snapshots are still there.
-                self.log(f"recovery {_text(old)} -> {new.to_text()} superseded while "
-                         f"preparing: {e}; recovering again")
-                return None
-            raise JobFailed(f"recovery {_text(old)} -> {new.to_text()} failed: {e}") from e
-        record.from_layout = _text(old)
-        record.phases["recovery_seconds"] = time.monotonic() - t0
-        record.phases["restored_step"] = record.step
-        record.phases["lost_steps"] = max(0, lost_from - record.step)
-        record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
-        self._rewind(record.step)
-        self._infer_unreported_reads(record.step)
-        req = self.pending_request()
-        if req is not None and not req.layout.same_shape(new):
-            self._answer(req, "pending", f"superseded by the failure of devices "
-                         f"{list(failed)} (recovered to {new.to_text()} at step "
-                         f"{record.step}): re-requested after the recovery")
-        self._after_switch(old, new, record)
-        self.failed.clear()
-        self.interrupted_since = None
-        self.recoveries.append(record)
-        return record
-
-    def _previous_restore(self, new: Layout, holdings: dict):
-        """Recovery from the generation before the running one, whose snapshots its members
-        keep for two steps after a planned switch: (its layout, its devices that are gone,
-        (step, proxies)), or None. The way back when the running generation holds no whole
-        copy yet (a member that just joined and has not mirrored its state, a new stage)."""
-        from types import SimpleNamespace
-
-        from dynatrain.vps.layout import parse_layout
-
-        kept = {d: st for d, st in holdings.items() if st.previous_generation}
-        if not kept:
-            return None
-        g = max(st.previous_generation for st in kept.values())
-        lead = next(st for st in kept.values() if st.previous_generation == g)
-        prev = parse_layout(lead.previous_layout).with_devices(lead.previous_devices)
-        held = {d: SimpleNamespace(snapshot_steps=list(st.previous_snapshot_steps),
-                                   mirror_of=st.previous_mirror_of,
-                                   mirror_steps=list(st.previous_mirror_steps))
-                for d, st in kept.items() if st.previous_generation == g}
-        dead = tuple(sorted(d for d in prev.device_of if d not in held))
-        choice = choose_restore(self.job.model, prev, new, dead, held,
-                                devices_per_node=self._nodes_for(prev, new))
-        return (prev, dead, choice) if choice is not None else None
-
     def _nodes_for(self, *layouts: Layout) -> dict[int, str] | int:
         """The node map to plan a switch between ``layouts`` on (:mod:`dynatrain.vps.topology`):
         the real nodes when every device of them has a known one, else ``devices_per_node``
@@ -748,39 +478,6 @@ class JobController:
         for k, gaps in self.progress.infer(step, self.job.global_batch_size).items():
             self.log(f"step {k}: samples {gaps} were read by a device that failed before "
                      f"reporting them; counted from the restored state of step {step}")
-
-    def _reconcile(self) -> bool:
-        """A switch the controller saw fail may have completed on every survivor (the device
-        that died had already done its part): then they run the new generation, and the
-        recovery starts from that, not from the layout the controller last recorded."""
-        from dynatrain.vps.layout import parse_layout
-
-        seen = []
-        for d in sorted(self.clients):
-            try:
-                st = self.clients[d].status(since_step=1 << 62,
-                                            timeout_s=self.timeouts.status_s)
-            except AgentCallError:
-                continue
-            if st.layout and st.state in (State.TRAINING, State.FINISHED, State.INTERRUPTED):
-                seen.append((st.generation, st.layout, tuple(st.devices)))
-        if not seen:
-            return False
-        generation, text, devices = max(seen)
-        if generation > self.generation_running and self.layout is not None \
-                and (text, devices) != (self.layout.to_text(), tuple(self.layout.device_of)):
-            new = parse_layout(text).with_devices(devices)
-            self.log(f"generation {generation} ({new.to_text()} on {list(devices)}) completed "
-                     "on the survivors; recovering from it")
-            self.failed = {d for d in self.failed if d in devices}
-            for d in devices:                 # gone before it was a member on record
-                if d not in self.clients and d not in self.failed:
-                    self._mark_failed(d, "lost while the switch to generation "
-                                         f"{generation} completed")
-            self.previous_devices = tuple(self.layout.device_of)
-            self.layout, self.generation_running = new, generation
-            return True
-        return False
 
     def _rewind(self, step: int) -> None:
         """Forget progress after ``step``: those steps are trained again."""
@@ -821,7 +518,3 @@ class JobController:
                                         {"prepare": record.prepare_seconds,
                                          "pause": record.pause_seconds,
                                          "transfer": record.transfer_seconds}, record.bytes)
-
-
-def _text(layout: Layout | None) -> str:
-    return layout.to_text() if layout else "nothing"
