@@ -7,10 +7,16 @@ builds every group through a ``Store``, and torch lets one be written in Python 
 rendezvous included). :class:`RendezvousStore` is that store: each method is one call, and
 ``get``/``wait`` wait on the server, as ``TCPStore``'s do.
 
-A store is made per generation (:meth:`WorkerControl._connect`): a generation stuck in its
-rendezvous keeps its calls waiting until their timeout and must not hold the next one up.
 Making one checks that the server answers within the timeout, as ``TCPStore``'s constructor
 does, and raises ``ConnectionError`` naming the address otherwise.
+
+**Lifetime.** The worker keeps one store per rendezvous address for its whole life
+(:meth:`WorkerControl._connect`), and :meth:`RendezvousStore.clone` returns the store itself.
+A Python ``Store`` is a pybind trampoline: the groups built through it hold only its C++
+part, and once the Python object is collected, a call from them (an aborted generation's
+groups, still waiting) fails inside torch ("Not implemented"). One gRPC channel carries
+concurrent calls, so a generation stuck in its rendezvous does not hold the next one up, which
+is why the ``TCPStore`` this replaced was made anew per generation.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ class RendezvousStore(dist.Store):
 
     def __init__(self, host: str, port: int, *, timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
+        self.host, self.port = host, port
         bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
         self.address = f"{bracketed}:{port}"
-        self.timeout_s = timeout.total_seconds()
+        # the base class keeps the timeout: c10d may change it (set_timeout), as on a TCPStore
+        self.set_timeout(timeout)
         self._channel = grpc.insecure_channel(self.address)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=self.timeout_s)
@@ -48,6 +56,16 @@ class RendezvousStore(dist.Store):
             raise ConnectionError(f"the rendezvous store at {self.address} did not answer "
                                   f"within {self.timeout_s:g} s") from None
         self._stub = agent_pb2_grpc.RendezvousStub(self._channel)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout.total_seconds()
+
+    def clone(self) -> "RendezvousStore":
+        """This store: one channel carries concurrent calls (``TCPStore.clone`` opens a new
+        connection because one of its sockets carries one call at a time). A new object
+        would not do: torch's C++ side would outlive it (see the module docstring)."""
+        return self
 
     def _call(self, method: str, what: str, wait_s: float | None = None, **fields):
         deadline = (wait_s if wait_s is not None else self.timeout_s) + _MARGIN_S
@@ -84,6 +102,10 @@ class RendezvousStore(dist.Store):
 
     def num_keys(self) -> int:
         return self._call("NumKeys", "").number
+
+    # The names c10d's C++ side calls these by (through a PrefixStore, for one).
+    deleteKey = delete_key
+    getNumKeys = num_keys
 
     def close(self) -> None:
         self._channel.close()

@@ -136,6 +136,8 @@ class WorkerControl:
         self.last_switch = pb.SwitchReport()
         self.error = ""
         self.store = None
+        self._stores: dict[str, RendezvousStore] = {}
+        """Rendezvous address -> its store, kept for the worker's life (see :meth:`_connect`)."""
         self.stopping = False
         self.leaving_at: float | None = None
         """Monotonic time its grace period ends, once told to leave
@@ -440,12 +442,19 @@ class WorkerControl:
             return out
 
     def _connect(self, rendezvous: str, timeout_s: float) -> None:
-        """A fresh connection to the rendezvous store for each generation: a generation
-        whose preparation is stuck (a member died while its groups were being built) keeps
-        its connection busy until its timeout, and must not hold up the next one. The store is
-        the controller's (:mod:`dynatrain.controller.rendezvous`), over gRPC."""
-        host, port = rendezvous.rsplit(":", 1)
-        self.store = RendezvousStore(host, int(port), timeout=timedelta(seconds=timeout_s))
+        """The controller's rendezvous store (:mod:`dynatrain.controller.rendezvous`, over
+        gRPC) at ``rendezvous``: one per address for the worker's life. Every generation's
+        groups call it, an aborted one's included, after newer generations have started, and
+        its Python object must outlive them all (:mod:`.store`, "Lifetime"); one channel
+        carries concurrent calls, so a generation stuck in its rendezvous holds up no other."""
+        store = self._stores.get(rendezvous)
+        if store is None:
+            host, port = rendezvous.rsplit(":", 1)
+            store = RendezvousStore(host, int(port), timeout=timedelta(seconds=timeout_s))
+            self._stores[rendezvous] = store
+        else:
+            store.set_timeout(timedelta(seconds=timeout_s))
+        self.store = store
 
 
 def _ids(devices, limit: int = 16) -> str:

@@ -67,6 +67,28 @@ def test_the_operations_answer_as_torchs_tcpstore_does(server):
     assert ours.num_keys() == 2
 
 
+def test_through_a_prefix_store_as_c10d_calls_it_every_operation_answers(server):
+    """c10d calls a Python store from C++ (by its C++ names: getNumKeys, deleteKey) and clones
+    it for threads of its own; the clone must be the same object, which the worker keeps alive
+    (agent/store.py, "Lifetime")."""
+    ours = RendezvousStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
+    reference = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=5))
+    answers = []
+    for store in (dist.PrefixStore("gen7", ours), dist.PrefixStore("gen7", reference)):
+        store.set("a", "1")
+        answers.append([store.add("n", 5), store.check(["a", "n"]), store.delete_key("a"),
+                        store.check(["a"]), store.compare_set("c", "", "x"),
+                        store.multi_get(["n", "c"])])
+        store.wait(["n"], timedelta(seconds=1))
+    assert answers[0] == answers[1] == [5, True, True, False, b"x", [b"5", b"x"]]
+    assert dist.PrefixStore("gen7", ours).num_keys() == 2           # n and c, under gen7/
+    assert ours.clone() is ours
+    ours.set_timeout(timedelta(seconds=1))                           # as c10d may
+    with pytest.raises(StoreError, match="within 1 s"):
+        ours.get("never")
+
+
 def test_a_get_waits_for_the_key_and_a_missing_one_times_out_naming_it(server):
     store = RendezvousStore("127.0.0.1", server.port, timeout=timedelta(seconds=1))
     other = RendezvousStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
