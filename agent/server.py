@@ -81,7 +81,7 @@ from .requests import (DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_DEVICES_PER_NODE,
                        Recovery, check_abort, check_checkpoint, check_commit, check_prepare,
                        check_rendezvous, check_rendezvous_owner, peer_host)
 from .serving import (HEALTH_SERVICE, SERVICE_NAME, AgentServer, CallSlots, _add_health, _bind,
-                      _bracket, _options, agent_method_handlers, health_method_handlers)
+                      bracket_host, _options, agent_method_handlers, health_method_handlers)
 from .v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ def serve(control: Control, *, host: str = "127.0.0.1", port: int = 0,
     health_servicer = health.HealthServicer()
     _add_health(server, health_servicer)
 
-    bound = _bind(server, f"{_bracket(host)}:{port}", credentials, pool)
+    bound = _bind(server, f"{bracket_host(host)}:{port}", credentials, pool)
     health_server, health_bound = None, 0
     if health_port:
         # Health alone, plaintext (a probe has no client certificate), its own few threads.
@@ -311,7 +311,7 @@ def serve(control: Control, *, host: str = "127.0.0.1", port: int = 0,
                                     options=_options(64 * 1024))
         _add_health(health_server, health_servicer)
         try:
-            health_bound = _bind(health_server, f"{_bracket(host)}:{health_port}", None,
+            health_bound = _bind(health_server, f"{bracket_host(host)}:{health_port}", None,
                                  health_pool)
         except OSError:
             pool.shutdown(wait=False)

@@ -134,12 +134,12 @@ class AgentServer:
     @property
     def address(self) -> str:
         """``host:port`` to dial (IPv6 hosts in brackets)."""
-        return f"{_bracket(self.host)}:{self.port}"
+        return f"{bracket_host(self.host)}:{self.port}"
 
     @property
     def health_address(self) -> str | None:
         """``host:port`` of the plaintext health port, or None without one."""
-        return f"{_bracket(self.host)}:{self.health_port}" if self.health_port else None
+        return f"{bracket_host(self.host)}:{self.health_port}" if self.health_port else None
 
     def set_health(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING, for the whole server and the Agent service."""
@@ -167,7 +167,8 @@ class AgentServer:
         self.stop(0)
 
 
-def _bracket(host: str) -> str:
+def bracket_host(host: str) -> str:
+    """``host`` as it goes before ``:port`` in an address (an IPv6 address in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from dynatrain.agent.v1 import agent_pb2, agent_pb2_grpc
 
+from .serving import bracket_host
+
 _MARGIN_S = 5.0
 """How much longer the client waits for a waiting call's answer than the server waits for its
 keys, so that a timeout is the server's DEADLINE_EXCEEDED with its message, not the client's."""
@@ -43,8 +45,7 @@ class RendezvousStore(dist.Store):
 
     def __init__(self, host: str, port: int, *, timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
-        self.host, self.port = host, port
-        bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        bracketed = bracket_host(host)
         self.address = f"{bracketed}:{port}"
         # the base class keeps the timeout: c10d may change it (set_timeout), as on a TCPStore
         self.set_timeout(timeout)

@@ -283,8 +283,6 @@ class JobRuntime:
         self.job = job
         if job.recovery.timeouts:                      # spec.recovery.timeouts
             self.timeouts = job.recovery.timeouts_config()
-        if self.store is not None:               # a second start of this runtime's job
-            self.store.close()
         self.store = RendezvousServer(self.rendezvous_host)
         self.controller = JobController(
             job, rendezvous=self.store.address,

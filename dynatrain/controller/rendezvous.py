@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from dynatrain.agent.serving import bracket_host
 from dynatrain.agent.v1 import agent_pb2, agent_pb2_grpc
 
 DEFAULT_WAIT_S = 300.0
@@ -192,7 +193,7 @@ class RendezvousServer:
             ThreadPoolExecutor(max_workers=MAX_WAITERS, thread_name_prefix="rendezvous"),
             options=[("grpc.max_receive_message_length", MAX_VALUE + MAX_KEY + 1024)])
         agent_pb2_grpc.add_RendezvousServicer_to_server(self.servicer, self._server)
-        bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        bracketed = bracket_host(host)
         self.port = self._server.add_insecure_port(f"{bracketed}:{port}")
         if self.port == 0:
             raise OSError(f"the rendezvous store cannot listen on {bracketed}:{port} "
