@@ -239,6 +239,11 @@ class SimProcessGroup(dist.ProcessGroup):
         self._ready: set = set()
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
+        # Receive checks not yet run, per peer, by message index: a receive that ends runs
+        # every earlier one first, so a mismatch is always named at its first message, in
+        # whichever order the watchdog and the waits see the receives end.
+        self._unchecked: dict[int, dict[int, object]] = {}
+        self._check_lock = threading.Lock()
         _start_watchdog()
         if eager:
             self.eager_connect()
@@ -338,14 +343,14 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _receive_check(self, peer: int, nbytes: int, tag: int):
         """The order recorder, receiver's side: once the k-th receive from ``peer`` has
-        ended (the sender recorded its k-th send before posting it), the sizes must agree."""
+        ended (the sender recorded its k-th send before posting it), the sizes must agree.
+        The returned check runs the pair's unchecked earlier receives first, in order."""
         k = self._received.get(peer, 0)
         self._received[peer] = k + 1
         key, me = f"{peer}->{self.rank()}/{k}", self.rank()
-
         mine = f"{nbytes} bytes, tag {tag}"
 
-        def check():
+        def compare():
             sent = self._store.get(key).decode()
             if sent != mine:
                 raise OrderMismatch(
@@ -353,6 +358,16 @@ class SimProcessGroup(dist.ProcessGroup):
                     f"posted as {sent} by the sender and {mine} by the receiver: NCCL matches "
                     "a pair's messages by their order (tags are ignored), so both ends must "
                     "post them in the same order")
+
+        with self._check_lock:
+            self._unchecked.setdefault(peer, {})[k] = compare
+
+        def check():
+            with self._check_lock:
+                pending = self._unchecked.get(peer, {})
+                due = [pending.pop(i) for i in sorted(i for i in pending if i <= k)]
+            for one in due:
+                one()
         return check
 
     def send(self, tensors, dst: int, tag: int = 0):

@@ -83,6 +83,27 @@ def test_the_recorder_finds_a_pair_posted_in_different_orders(name, mismatch):
         assert r1["mismatch"] is None
 
 
+def test_a_mismatch_is_named_at_its_first_message_whichever_receive_ends_first():
+    # With tags that gloo matches, a pair posted in swapped orders ends its receives in
+    # either order; the watchdog may check the second before the first has ended. The
+    # recorder must still name message 0 (the CI run of 667fb17 saw "message 1").
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dynatrain.vps.ncclsim import OrderMismatch, SimProcessGroup
+
+    pg = SimProcessGroup(dist.PrefixStore("p", dist.HashStore()), 0, 1, timedelta(seconds=5))
+    first = pg._receive_check(0, 32, 2)          # the receiver posted 32 bytes first ...
+    second = pg._receive_check(0, 16, 1)
+    pg._record_send(0, 16, 1)                    # ... the sender 16 bytes first
+    pg._record_send(0, 32, 2)
+    with pytest.raises(OrderMismatch, match="message 0 from rank 0 to rank 0 was posted as "
+                       "16 bytes, tag 1 by the sender and 32 bytes, tag 2 by the receiver"):
+        second()                                 # the later receive ended first
+    first()                                      # already checked: nothing left to raise
+
+
 def test_prepare_warms_up_every_pair_in_one_global_order_without_a_deadlock():
     # ProcessGroupNCCL makes a pair's communicator at the pair's first send/recv
     # (getNCCLComm keyed by the pair); DeviceManager._connect exchanges one message per pair
