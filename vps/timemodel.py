@@ -58,7 +58,13 @@ inter, B_lb)``, for every holder set and every ``G_n``. And every byte is sent b
 some node ``m`` (``k_m`` holders): at most ``min(near_m, rho c_m) + rho k_m min(T_lb inter,
 B_lb)`` of it, and at most ``rho k_m B_lb`` in all, so the sum of ``min`` of the two over the
 nodes must reach the total demand (solved for ``rho`` by bisection; it is where nodes whose
-NICs limit them meet a node whose NVLink holders are short of bytes). Where it is above 1, no
+NICs limit them meet a node whose NVLink holders are short of bytes). The same count holds for
+each holder set ``G`` that occurs, with the data of every holder set inside it (only ``G``'s
+members can send that), which is tighter where one set has
+few holders on a node that needs much of it: llama-7b (8 layers) dp=9,pp=8 -> dp=8,tp=4,pp=3
+has a set of 9 holders, 8 on one node and 1 on the node of 7 of its receivers; that one
+sends its byte share at most, so the 8 send the rest over their NICs, and no plan does better
+than ``rho = 1.136`` (the count over all sets at once gave 1.0). Where it is above 1, no
 plan meets both bounds; the planner minimises ``rho``.
 
 **Lower bound on the busiest device's bytes** (max of sent and received, over the network): see
@@ -343,9 +349,34 @@ def lower_bound_ratio(demand: Demand, devices_per_node: Nodes, links: Links, sec
         best = max(best, ratio(far, near, on, len(g_n) - on, len(rs)))
         total += far + near
         near_at[n] = (near, len(rs))
-    # Every byte is sent by a holder on some node m: at most its near demand over NVLink and
-    # k_m NICs' worth over NICs, and at most k_m byte shares in all.
-    per_byte = nbytes
+    caps = (per_intra, per_inter, nbytes)
+    best = _sending_ratio(best, total, holders_on, near_at, caps)
+    # The same count for each holder set G that occurs, with the data of every holder set
+    # inside it: only G's members can send that.
+    keyed: dict[frozenset, list] = {}
+    for holders, per_r in demand.items():
+        keyed.setdefault(frozenset(holders), []).append(
+            _node_loads(per_r, {node[h] for h in holders}, node, {}))
+    inside = _contained(list(keyed))
+    for g in keyed:
+        loads = _sum_loads(p for h in inside.get(g, [g]) for p in keyed[h])
+        on_g: dict[str, int] = {}
+        for h in g:
+            on_g[node[h]] = on_g.get(node[h], 0) + 1
+        near_g = {n: (near, len(rs)) for n, (_, near, rs) in loads.items()}
+        best = _sending_ratio(best, sum(far + near for far, near, _ in loads.values()), on_g,
+                              near_g, caps)
+    return best
+
+
+def _sending_ratio(best: float, total: int, holders_on: Mapping[str, int],
+                   near_at: Mapping[str, tuple[int, int]], caps: tuple[float, float, int]
+                   ) -> float:
+    """The smallest ``rho >= best`` at which holders (``holders_on``: node -> how many) can
+    send ``total`` bytes: a holder on node ``m`` sends at most ``near_at[m]``'s near bytes over
+    NVLink (within ``rho`` of its receivers' and its own intra ports) plus ``rho`` NIC's worth,
+    and ``rho`` byte shares in all (module docstring)."""
+    per_intra, per_inter, per_byte = caps
 
     def capacity(rho: float) -> float:
         cap = 0.0
