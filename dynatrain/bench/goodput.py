@@ -432,7 +432,10 @@ def run_mode(trace_path: str, mode: str, workdir: Path) -> dict:
         profile=PROFILES["cpu"], out=out,
         # No voluntary switch in the restart run: it changes layout only by restarting.
         policy=Policy() if mode == "live" else Policy(last_voluntary=float("inf")),
-        restart_on_failure=mode == "restart", trace=trace, mode=mode)
+        restart_on_failure=mode == "restart", trace=trace, mode=mode,
+        # Both runs start workers as new pods do, a fresh interpreter each: a live join's
+        # start-up is part of what the two are compared on.
+        worker_start="exec")
     t0 = time.monotonic()
     raw: dict = {"mode": mode}
     try:

@@ -88,6 +88,12 @@ def register(sub) -> None:
                         "when spec.resources.gpus is 1, gloo on the CPU when 0; nccl fails "
                         "unless CUDA is available; gloo runs a GPU job on the CPU; nccl-sim "
                         "runs on the CPU with NCCL's failure semantics (a test harness)")
+    p.add_argument("--worker-start", choices=("forkserver", "exec"), default=None,
+                   help="how workers start: forkserver (default) forks each from one server "
+                        "that has imported torch (a worker is up in about a second, not "
+                        "after ~5 s of CPU each); exec starts each as a new interpreter. "
+                        "Default: $DYNATRAIN_WORKER_START, else forkserver (exec with "
+                        "--restart-on-failure, whose restarts stand for new pods)")
     p.set_defaults(func=run_job)
 
 
@@ -166,7 +172,7 @@ def run_job(args) -> int:
                          metrics_port=args.metrics_port, prometheus_sd=args.prometheus_sd,
                          resume_from=resume or "",
                          restart_on_failure=args.restart_on_failure, backend=backend,
-                         save_hf=save_hf)
+                         save_hf=save_hf, worker_start=args.worker_start)
     try:
         result = runner.run()
     except JobFailed as e:

@@ -1,7 +1,8 @@
 """The local runner: a ``DynaTrainJob`` on this machine, with capacity changes from a scenario.
 
 It plays the part the cluster plays for the operator: it starts worker processes
-(``python -m dynatrain.agent.worker``, each an agent in standby), hosts the rendezvous store,
+(``dynatrain.agent.worker``, each an agent in standby; forked from a server that has torch
+imported, or each a new interpreter: :mod:`.workerstart`), hosts the rendezvous store,
 gives the controller core the workers' agents as they come up, turns scenario events into
 capacity signals (a preemption notice now, the kill at the deadline; an eviction's SIGTERM,
 which the worker itself reports; new workers), and shows
@@ -24,7 +25,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +42,7 @@ from .orchestrator import Timeouts
 from .policy import Policy
 from .rendezvous import RendezvousServer
 from .scenario import Event, Scenario
+from .workerstart import ForkedWorker, start_worker, worker_start_method
 
 WORKER_START_TIMEOUT_S = 120.0
 
@@ -49,7 +50,7 @@ WORKER_START_TIMEOUT_S = 120.0
 @dataclass
 class WorkerProcess:
     device: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedWorker
     log: Path
     agent: str = ""
     metrics: str = ""
@@ -128,8 +129,11 @@ class LocalRunner:
                  threads_per_worker: int = 0, timeouts: Timeouts | None = None,
                  resume_from: str = "", restart_on_failure: bool = False,
                  worker_env: dict[int, dict[str, str]] | None = None, backend: str = "auto",
-                 save_hf: str = ""):
+                 save_hf: str = "", worker_start: str | None = None):
         self.job, self.job_path, self.scenario = job, job_path, scenario
+        # How workers start (:mod:`.workerstart`): forked from a server that has torch
+        # imported (the default), or each a new interpreter (the restart baseline's default).
+        self.worker_start = worker_start_method(worker_start, restarts=restart_on_failure)
         # Where the trained model goes (spec.output.hf unless overridden); absolute, so it
         # means the same to every worker whatever its working directory.
         target = save_hf or job.save_hf
@@ -217,27 +221,25 @@ class LocalRunner:
             ready = self.run_dir / f"worker-{d}.ready"
             ready.unlink(missing_ok=True)
             log = self.run_dir / f"worker-{d}.log"
-            cmd = [sys.executable, "-m", "dynatrain.agent.worker", "--job", self.job_path,
-                   "--device", str(d), "--token-file", str(self.token_file),
-                   "--ready-file", str(ready), "--threads", str(self.threads),
-                   "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir,
-                   "--grace-seconds", f"{self.grace_s:g}"]
+            argv = ["--job", self.job_path,
+                    "--device", str(d), "--token-file", str(self.token_file),
+                    "--ready-file", str(ready), "--threads", str(self.threads),
+                    "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir,
+                    "--grace-seconds", f"{self.grace_s:g}"]
             for source in self.checkpoint_sources:
-                cmd += ["--checkpoint-source", source]
+                argv += ["--checkpoint-source", source]
             if self.save_hf:
-                cmd += ["--save-hf", self.save_hf]
-            cmd += ["--tensorboard", self.tensorboard]
+                argv += ["--save-hf", self.save_hf]
+            argv += ["--tensorboard", self.tensorboard]
             env = {**os.environ, **self.worker_env.get(d, {})}
-            cmd += ["--backend", self.backend]
+            argv += ["--backend", self.backend]
             if self.backend == "nccl" or (self.backend == "auto" and self.job.gpus_per_worker):
                 # One GPU per worker, as a device plugin gives each pod its own: the lowest
                 # that no live worker holds, and the only one the worker sees (its cuda:0).
                 held = {self.gpu_of.get(w) for w in self.workers}
                 self.gpu_of[d] = min(i for i in range(len(held) + 1) if i not in held)
                 env["CUDA_VISIBLE_DEVICES"] = visible_gpu(self.gpu_of[d])
-            with open(log, "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env)
+            proc = start_worker(argv, env, log, self.worker_start)
             self.workers[d] = WorkerProcess(d, proc, log, start_deadline=time.monotonic()
                                             + WORKER_START_TIMEOUT_S)
             devices.append(d)

@@ -21,8 +21,11 @@ import os
 
 import torch.multiprocessing as mp
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint")
-"""What the fork server imports before it forks anything (third-party only, see above)."""
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint")
+"""What the fork server imports before it forks anything (third-party only, see above).
+``torch._dynamo`` is there because every torch optimizer imports it on first use (2.7 s of CPU
+on a 2-core machine): the local runner's workers forked from here (:mod:`dynatrain.controller.
+workerstart`) and any rank that trains would each pay it."""
 
 START_METHODS = ("forkserver", "spawn")
 

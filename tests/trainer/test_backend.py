@@ -144,14 +144,15 @@ def test_local_runner_passes_the_backend(tmp_path, monkeypatch):
 
     started = []
 
-    class FakePopen:
-        def __init__(self, cmd, env, **_):
-            started.append((cmd, env))
-
+    class FakeWorker:
         def poll(self):
             return None
 
-    monkeypatch.setattr(local.subprocess, "Popen", FakePopen)
+    def fake_start(argv, env, log, method):
+        started.append((argv, env))
+        return FakeWorker()
+
+    monkeypatch.setattr(local, "start_worker", fake_start)
     path = _job(tmp_path, gpus=1)
     runner = local.LocalRunner(load_job(path), path, Scenario(None, ()), run_dir=tmp_path / "r",
                                profile=PROFILES["cpu"], backend="nccl")

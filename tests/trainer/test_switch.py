@@ -57,7 +57,10 @@ def check_switch(model, old, new, direct_bytes=None, backend="gloo", **kw):
                      backend=backend)
     assert r["bitwise_equal"], r
     assert r["loss_match"], (r["losses_after"], r["losses_restart"])
-    assert r["switch_seconds"] < r["restart_seconds"]
+    # No timing is compared here: this restart is forked with torch (and since the fork server
+    # preloads torch._dynamo, the optimizers' first use) paid already, so it is no baseline;
+    # the switch against a real restart (fresh interpreters) is `dynatrain bench switch`'s
+    # figure, and a timed assertion on this shared machine would be noise.
     # Whatever a switch has to move lands in memory allocated before the pause.
     assert (r["bytes_preallocated"] > 0) == (r["bytes_network"] + r["bytes_copied"] > 0), r
     # ... and nothing new is allocated in it: every new tensor is adopted, carved (a view of a
