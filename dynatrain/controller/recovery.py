@@ -128,9 +128,10 @@ def recover(ctl: JobController) -> SwitchRecord | None:
 
 def previous_restore(ctl: JobController, new: Layout, holdings: dict):
     """Recovery from the generation before the running one, whose snapshots its members
-    keep for two steps after a planned switch: (its layout, its devices that are gone,
-    (step, proxies)), or None. The way back when the running generation holds no whole
-    copy yet (a member that just joined and has not mirrored its state, a new stage)."""
+    keep for two steps after a planned switch (and a member whose switch out of it failed
+    still holds as its own): (its layout, its devices that are gone, (step, proxies)), or
+    None. The way back when the running generation holds no whole copy yet (a member that
+    just joined and has not mirrored its state, a new stage)."""
     from types import SimpleNamespace
 
     from dynatrain.vps.layout import parse_layout
@@ -145,6 +146,15 @@ def previous_restore(ctl: JobController, new: Layout, holdings: dict):
                                mirror_of=st.previous_mirror_of,
                                mirror_steps=list(st.previous_mirror_steps))
             for d, st in kept.items() if st.previous_generation == g}
+    for d, st in holdings.items():
+        # A member whose own switch out of generation g failed (e.g. in the mirror exchange
+        # with a joiner that died as its part ended) still runs g: its snapshots are g's, and
+        # the worker restores from them for g's layout (WorkerControl.redundancy_for).
+        if d not in held and st.generation == g and st.layout == lead.previous_layout \
+                and tuple(st.devices) == tuple(lead.previous_devices):
+            held[d] = SimpleNamespace(snapshot_steps=list(st.snapshot_steps),
+                                      mirror_of=st.mirror_of,
+                                      mirror_steps=list(st.mirror_steps))
     dead = tuple(sorted(d for d in prev.device_of if d not in held))
     choice = choose_restore(ctl.job.model, prev, new, dead, held,
                             devices_per_node=ctl._nodes_for(prev, new))
