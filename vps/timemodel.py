@@ -329,16 +329,16 @@ def lower_bound_ratio(demand: Demand, devices_per_node: Nodes, links: Links, sec
         return max(far / a, (far + near) / (c + a))
 
     at_node: dict[str, list] = {}  # node -> [(holders, far, near, receivers)]
+    keyed: dict[frozenset, list] = {}  # holder set -> its per-node loads (for the count below)
     for holders, per_r in demand.items():
         nodes = [node[h] for h in holders]
         loads = _node_loads(per_r, nodes, node, {})
+        keyed.setdefault(frozenset(holders), []).append(loads)
         for n, (far, near, rs) in loads.items():
             on = nodes.count(n)
             best = max(best, ratio(far, near, on, len(holders) - on, len(rs)))
             at_node.setdefault(n, []).append((holders, far, near, rs))
-    holders_on: dict[str, int] = {}
-    for h in frozenset().union(*demand):
-        holders_on[node[h]] = holders_on.get(node[h], 0) + 1
+    holders_on = _count_nodes(frozenset().union(*demand), node)
     total = 0
     near_at: dict[str, tuple[int, int]] = {}  # node -> (near bytes, receivers)
     for n, parts in at_node.items():
@@ -353,20 +353,21 @@ def lower_bound_ratio(demand: Demand, devices_per_node: Nodes, links: Links, sec
     best = _sending_ratio(best, total, holders_on, near_at, caps)
     # The same count for each holder set G that occurs, with the data of every holder set
     # inside it: only G's members can send that.
-    keyed: dict[frozenset, list] = {}
-    for holders, per_r in demand.items():
-        keyed.setdefault(frozenset(holders), []).append(
-            _node_loads(per_r, {node[h] for h in holders}, node, {}))
     inside = _contained(list(keyed))
     for g in keyed:
         loads = _sum_loads(p for h in inside.get(g, [g]) for p in keyed[h])
-        on_g: dict[str, int] = {}
-        for h in g:
-            on_g[node[h]] = on_g.get(node[h], 0) + 1
         near_g = {n: (near, len(rs)) for n, (_, near, rs) in loads.items()}
-        best = _sending_ratio(best, sum(far + near for far, near, _ in loads.values()), on_g,
-                              near_g, caps)
+        best = _sending_ratio(best, sum(far + near for far, near, _ in loads.values()),
+                              _count_nodes(g, node), near_g, caps)
     return best
+
+
+def _count_nodes(devices, node: Mapping[int, str]) -> dict[str, int]:
+    """Node -> how many of ``devices`` are on it."""
+    out: dict[str, int] = {}
+    for d in devices:
+        out[node[d]] = out.get(node[d], 0) + 1
+    return out
 
 
 def _sending_ratio(best: float, total: int, holders_on: Mapping[str, int],

@@ -90,11 +90,9 @@ class ForkedWorker:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
-
-_forked: list[ForkedWorker] = []
+NAME = "dynatrain worker"
+"""The multiprocessing name of every forked worker (``NAME <log stem>``)."""
 
 
 @atexit.register
@@ -102,8 +100,11 @@ def _kill_forked_at_exit() -> None:
     # multiprocessing joins its live children when the interpreter exits; a worker still
     # running then (the runner stopped on an error) would hold the exit up until its parent
     # watch noticed. A worker started with exec is not waited for; this one is killed first.
-    for w in _forked:
-        w.kill()
+    import multiprocessing
+
+    for p in multiprocessing.active_children():
+        if p.name.startswith(NAME):
+            p.kill()
 
 
 def _run(argv: list[str], environ: dict[str, str], log: str) -> None:
@@ -149,7 +150,7 @@ def start_worker(argv: list[str], env: dict[str, str], log: Path, method: str):
 
     ctx = processes.context("forkserver")
     process = ctx.Process(target=_run, args=(list(argv), dict(env), str(log)),
-                          name=f"dynatrain worker {log.stem}")
+                          name=f"{NAME} {log.stem}")
     # multiprocessing has a child import the caller's main module (a script is run again as
     # __mp_main__, and one without an `if __name__ == "__main__"` guard would start its job
     # again in every worker). A worker needs nothing from it: while the child's preparation
@@ -160,6 +161,4 @@ def start_worker(argv: list[str], env: dict[str, str], log: Path, method: str):
         process.start()
     finally:
         sys.modules["__main__"] = main
-    handle = ForkedWorker(process)
-    _forked.append(handle)
-    return handle
+    return ForkedWorker(process)
