@@ -125,7 +125,17 @@ def test_a_member_that_just_joined_is_not_the_single_point_of_loss(tmp_path, ref
     out = run(tmp_path, "joiner", scenario, env={"DYNATRAIN_FAULT": "device:2,at:switched"},
               layout="dp=1,tp=1,pp=2", workers=3)
     check_run(out, reference)
-    assert "of the generation before the last switch" in out["stdout"]
+    # Which generation holds the whole state depends on a race the test cannot order: the
+    # joiner dies once its own part of the switch ended, while the other members may still be
+    # in the switch's last exchange with it. If at least one of them completed the switch, the
+    # running generation lacks the joiner's stage and the recovery goes back to the generation
+    # before it (the member whose switch failed counts there too: test_recovery_choice.py
+    # pins that choice without processes). If both failed, the switch failed everywhere and
+    # the members restore their own snapshots of the generation they still run. Either way
+    # the job goes on from memory.
+    went_back = "of the generation before the last switch" in out["stdout"]
+    switch_failed = "switch to dp=1,tp=1,pp=3 failed" in out["stdout"]
+    assert went_back or switch_failed, out["stdout"]
     (rec,) = out["recoveries"]
     # back on the two devices left (the request for three stages cannot run there)
     assert rec["workers_after"] == 2 and rec["phases"]["from_checkpoint"] == 0
