@@ -45,6 +45,8 @@ MAX_JOBS = int(os.environ.get("DYNATRAIN_MAX_JOBS", "1024"))
 """Jobs one operator runs at once (one daemon thread each)."""
 TTL_CHECK_S = 1.0
 """How often a finished job with ``spec.ttlSecondsAfterFinished`` is looked at."""
+CANCELLATION_POLL_S = 1.0
+"""How often kopf checks whether a stopped job's timer and daemon have ended (see configure)."""
 
 
 def settings() -> Settings:
@@ -141,6 +143,12 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     # the executor's default size is min(32, cores + 4): on a 2-core node only 6 jobs ran,
     # the others waited, silently, for one of those to end.
     settings.execution.max_workers = MAX_JOBS
+    # A timer or daemon asked to stop (its job is being deleted) is checked for having ended
+    # every `cancellation_polling` seconds, 60 by default, and the job's finalizer stays until
+    # it has. The expire timer deletes its own job: when the deletion arrived while that
+    # handler was still returning (about half the time on a loaded machine), the job outlived
+    # its TTL by a minute.
+    settings.background.cancellation_polling = CANCELLATION_POLL_S
     _serve_metrics()
 
 
