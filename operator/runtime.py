@@ -177,6 +177,8 @@ class JobRuntime:
         self.over = False
         """Succeeded or Failed: nothing is left to do but to keep its pods deleted."""
         self.noticed: set[int] = set()
+        self.lost_reported: set[int] = set()
+        """Devices whose failure a WorkerLost Event has told (see :meth:`_report_lost`)."""
         ctx = JobContext(core=self.core, namespace=self.namespace, name=self.name, uid=self.uid,
                          settings=settings, log=log, event=self.report.event,
                          conditions=self.conditions, job=lambda: self.job,
@@ -333,6 +335,7 @@ class JobRuntime:
             # A generation already running: this operator took the job over mid-flight.
             self.took_over = c.generation_running > 0
         record = c.tick()
+        self._report_lost()
         if record is not None:
             self._switched(record, workers)
         if c.progress.finished:
@@ -410,9 +413,9 @@ class JobRuntime:
             if d not in workers:
                 self.log(f"worker {d}: pod gone")
                 if d in c.members and d not in self.pods.left:  # without notice: recover
-                    self._event("Warning", "WorkerLost", f"worker {d} is gone without notice; "
-                                "recovering from the in-memory copies")
-                    c.fail_device(d, "its pod is gone")
+                    # The controller judges whether that is a failure (a leaver of the switch
+                    # in flight may exit as its part ends): _report_lost says it if so.
+                    c.fail_device(d, "its pod is gone without notice")
                 else:
                     c.remove_device(d)
         for d, w in list(workers.items()):
@@ -443,6 +446,18 @@ class JobRuntime:
                                             self._generation())
                 else:
                     agent.close()
+        self._report_lost()
+
+    def _report_lost(self) -> None:
+        """A Warning Event for each device the controller declared failed (a pod gone without
+        notice, an unhealthy pod, a worker that stopped answering or hung): the controller
+        judges that, not the pod's disappearance (a leaver exits as its switch ends)."""
+        c = self.controller
+        for d in c.lost:
+            if d not in self.lost_reported:
+                self.lost_reported.add(d)
+                self._event("Warning", "WorkerLost", f"worker {d} failed: "
+                            f"{c.lost_why.get(d, 'unknown')}; the job recovers without it")
 
     def _price(self, workers, nodes) -> None:
         """A GPU job's device profile, from the nodes its workers are placed on (the

@@ -95,7 +95,9 @@ class JobController:
         self.failed: set[int] = set()
         """Devices of the running layout that died without notice (recovery pending)."""
         self.lost: list[int] = []
-        """Every device that ever failed (the operator replaces their pods)."""
+        """Every device that ever failed (the operator replaces their pods), in order."""
+        self.lost_why: dict[int, str] = {}
+        """Why each device of :attr:`lost` was declared failed."""
         self.interrupted_since: float | None = None
         self.recoveries: list[SwitchRecord] = []
         self.first_step_end: dict[int, float] = {}
@@ -180,6 +182,7 @@ class JobController:
         self.log(f"device {device} failed: {why}")
         self.failed.add(device)
         self.lost.append(device)
+        self.lost_why[device] = why
 
     def restart_from(self, checkpoint: str, step: int) -> None:
         """Every worker was replaced (checkpoint-and-restart): start again from ``checkpoint``."""

@@ -217,8 +217,12 @@ def test_a_worker_killed_without_notice_is_recovered_and_replaced(devcluster, ku
 
     last = _wait("a recovery switch", recovered, timeout=120)
     assert last["result"] == "success"
-    reasons = [e.reason for e in _events(core, namespace, "chaos")]
+    events = _events(core, namespace, "chaos")
+    reasons = [e.reason for e in events]
     assert "Switched" in reasons
+    device = victim.rsplit("-", 1)[1]
+    assert [e.message for e in events if e.reason == "WorkerLost"
+            and e.message.startswith(f"worker {device} failed: ")], reasons
     # the dead worker's pod is replaced, and the job goes on training
     _wait("the dead worker's pod to be deleted", lambda: not any(
         p.metadata.name == victim and p.metadata.deletion_timestamp is None
