@@ -66,6 +66,8 @@ class ForkedWorker:
     def __init__(self, process) -> None:
         self._process = process
         self.pid: int = process.pid
+        self.stdout = self.stderr = None
+        """The read ends of its output pipes, when it writes to pipes (see fork_worker)."""
 
     @property
     def returncode(self) -> int | None:
@@ -91,6 +93,7 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 NAME = "dynatrain worker"
 """The multiprocessing name of every forked worker (``NAME <log stem>``)."""
 
@@ -107,34 +110,48 @@ def _kill_forked_at_exit() -> None:
             p.kill()
 
 
-def _run(argv: list[str], environ: dict[str, str], log: str) -> None:
-    """The forked worker: the runner's environment for it, its log on stdout and stderr, and
-    the worker's main."""
+def _run(argv: list[str], environ: dict[str, str], output, new_session: bool) -> None:
+    """The forked worker: the starter's environment for it, its output on stdout and stderr
+    (a log file's path, or the write ends of two pipes), and the worker's main."""
     os.environ.clear()
     os.environ.update(environ)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    if new_session:
+        os.setsid()
+    if isinstance(output, str):
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    else:
+        for target, pipe in zip((1, 2), output):
+            os.dup2(pipe.fileno(), target)
+            pipe.close()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    from dynatrain.agent import worker
+    # The worker's parent is the fork server, which exits when every holder of its "alive"
+    # pipe's write end is gone: the starter (even killed), and each child, which
+    # multiprocessing hands one so that it can start processes of its own. A worker starts
+    # none: it closes its copy, so that the server ends with the starter, and the worker with
+    # the server (it watches its parent, or has Linux kill it when the server dies).
+    from multiprocessing import forkserver
 
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     if "--parent-pid" in argv:
-        # The worker stops when its parent changes (os.getppid); a forked worker's parent is
-        # the fork server, which exits when every holder of its "alive" pipe's write end is
-        # gone: the runner (even killed), and each child, which multiprocessing hands one so
-        # that it can start processes of its own. A worker starts none: it closes its copy,
-        # so that the server, and then the worker, end with the runner.
+        # The worker stops (and says why in its log) when its parent changes (os.getppid);
+        # the parent to watch is the fork server.
         argv = list(argv)
         argv[argv.index("--parent-pid") + 1] = str(os.getppid())
-        from multiprocessing import forkserver
+    elif sys.platform == "linux":
+        # One that does not watch (a pod's) has Linux kill it with the server.
+        import ctypes
 
-        alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
-        if alive is not None:
-            os.close(alive)
-            forkserver._forkserver._forkserver_alive_fd = None
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    from dynatrain.agent import worker
+
     sys.argv = ["dynatrain.agent.worker", *argv]
     sys.exit(worker.main(argv))
 
@@ -146,11 +163,27 @@ def start_worker(argv: list[str], env: dict[str, str], log: Path, method: str):
         with open(log, "w") as f:
             return subprocess.Popen(worker_command(argv), stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env)
+    return fork_worker(argv, env, log=log)
+
+
+def fork_worker(argv: list[str], env: dict[str, str], *, log: Path | None = None,
+                new_session: bool = False) -> ForkedWorker:
+    """Fork one worker from the fork server. Its output goes to ``log``, or, without one, to
+    two pipes whose read ends are the handle's ``stdout`` and ``stderr`` (as with
+    ``Popen(stdout=PIPE, stderr=PIPE)``); ``new_session`` makes it a session leader (as
+    ``Popen(start_new_session=True)``)."""
+    from multiprocessing.connection import Connection
+
     from dynatrain.trainer import processes
 
     ctx = processes.context("forkserver")
-    process = ctx.Process(target=_run, args=(list(argv), dict(env), str(log)),
-                          name=f"{NAME} {log.stem}")
+    pipes = None if log is not None else (os.pipe(), os.pipe())
+    # The write ends travel to the child as Connections, which multiprocessing passes to the
+    # fork server over its socket (a plain fd number would mean nothing there).
+    output = str(log) if pipes is None else tuple(Connection(w, readable=False)
+                                                  for _, w in pipes)
+    process = ctx.Process(target=_run, args=(list(argv), dict(env), output, new_session),
+                          name=f"{NAME} {Path(log).stem if log is not None else 'piped'}")
     # multiprocessing has a child import the caller's main module (a script is run again as
     # __mp_main__, and one without an `if __name__ == "__main__"` guard would start its job
     # again in every worker). A worker needs nothing from it: while the child's preparation
@@ -159,6 +192,17 @@ def start_worker(argv: list[str], env: dict[str, str], log: Path, method: str):
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
         process.start()
+    except BaseException:
+        if pipes is not None:
+            for end in (*pipes[0], *pipes[1]):
+                os.close(end)
+        raise
     finally:
         sys.modules["__main__"] = main
-    return ForkedWorker(process)
+    handle = ForkedWorker(process)
+    if pipes is not None:
+        for conn in output:
+            conn.close()                              # the child holds its own copies
+        handle.stdout = os.fdopen(pipes[0][0], "rb", buffering=0)
+        handle.stderr = os.fdopen(pipes[1][0], "rb", buffering=0)
+    return handle

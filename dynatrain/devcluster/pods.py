@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..controller import workerstart
 from . import endpoints
 from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
 from .processes import _die_with_parent
@@ -140,8 +141,16 @@ class PodRunner:
                  selector: str = "", interval_s: float = 0.2,
                  backoff_first_s: float = BACKOFF_FIRST_S,
                  log: Callable[[str], None] | None = None, cpu_for_gpu_pods: bool = False,
-                 volume_sync_s: float = 2.0):
+                 volume_sync_s: float = 2.0, fork_workers: bool = False):
         self.core, self.namespace, self.selector = core, namespace, selector
+        self.fork_workers = fork_workers
+        """Start a ``dynatrain worker`` container by forking it from the fork server of
+        :mod:`dynatrain.trainer.processes` (torch imported once) instead of a new interpreter
+        (:func:`dynatrain.controller.workerstart.fork_worker`): the same main, arguments,
+        environment, session, output pipes and exit codes, without ~5 s of CPU for imports
+        per pod. A real container starts a new interpreter, so this is off unless asked:
+        the tests' fixtures turn it on (``DYNATRAIN_TEST_POD_START=exec`` turns it off
+        there) to keep a 2-core CI machine's CPU for the training the tests check."""
         self.volume_sync_s = volume_sync_s
         """How often a running pod's Secret and ConfigMap volumes are re-synced (a kubelet:
         its sync period, a minute, plus its cache; shorter here so tests need not wait)."""
@@ -391,10 +400,15 @@ class PodRunner:
             # leave workers training on, as a dead kubelet's machine leaves none).
             # stdout and stderr are pipes, read as a container runtime reads them: into the
             # plain log and the CRI-format one that kwok serves to `kubectl logs`.
-            c.proc = subprocess.Popen(c.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL, env={**os.environ, **c.env},
-                                      start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+            worker_args = _worker_args(c.argv)
+            if self.fork_workers and worker_args is not None:
+                c.proc = workerstart.fork_worker(worker_args, {**os.environ, **c.env},
+                                                 new_session=True)
+            else:
+                c.proc = subprocess.Popen(c.argv, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **c.env}, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
             c.output.start(c.proc.stdout, c.proc.stderr)
         except OSError as e:                          # no such program: as a kubelet, fail
             c.output.note(f"cannot start {c.argv[:1]}: {e}\n")
@@ -586,6 +600,14 @@ def _is_worker(argv: list[str]) -> bool:
     DynaTrain worker: ``dynatrain worker ...`` or ``python -m dynatrain.agent.worker ...``."""
     return argv[1:4] == ["-m", "dynatrain", "worker"] or argv[1:3] == [
         "-m", "dynatrain.agent.worker"]
+
+
+def _worker_args(argv: list[str]) -> list[str] | None:
+    """The worker's own arguments, if ``argv`` starts a worker (:func:`_is_worker`) with this
+    interpreter (what a fork of it would run the same)."""
+    if argv[:1] != [sys.executable] or not _is_worker(argv):
+        return None
+    return argv[4:] if argv[2] == "dynatrain" else argv[3:]
 
 
 def _project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> bool:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from dynatrain.controller.workerstart import (METHODS, START_ENV, start_worker,
+from dynatrain.controller.workerstart import (METHODS, START_ENV, fork_worker, start_worker,
                                               worker_start_method)
 
 
@@ -28,6 +28,17 @@ def test_a_bad_argument_exits_2_with_the_workers_message_in_its_log(method, tmp_
     assert proc.wait(timeout=120) == 2
     assert proc.poll() == 2 and proc.returncode == 2
     assert "--log-every -1 is invalid" in log.read_text()
+
+
+def test_a_worker_forked_onto_pipes_writes_them_like_a_popen_with_pipes(tmp_path):
+    # The dev cluster's pod runner reads a pod's output from two pipes (its logs, `kubectl
+    # logs`): a worker forked for a pod gets its own session and writes there, and its pipes
+    # close when it exits.
+    proc = fork_worker(["--job", str(tmp_path / "job.yaml"), "--device", "0",
+                        "--log-every", "-1"], {"PATH": "/usr/bin:/bin"}, new_session=True)
+    out, err = proc.stdout.read(), proc.stderr.read()        # until the worker closes them
+    assert proc.wait(timeout=120) == 2
+    assert b"--log-every -1 is invalid" in err and b"is invalid" not in out
 
 
 def test_the_start_method_is_checked_and_the_restart_baseline_execs(monkeypatch):

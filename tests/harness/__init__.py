@@ -6,6 +6,8 @@
   from the chart's RBAC fails the tests);
 - :mod:`.pod_endpoints`: ``kubectl logs``/``exec``/``port-forward`` checks of a pod;
 - :mod:`.prometheus_server`: a real Prometheus scraping the tests' targets;
+- :mod:`.pod_runner`: the operator tests' pod runner and its two stand-in settings (GPU
+  workers on the CPU, worker pods forked from a torch-loaded server);
 - :mod:`.switch_harness` and :mod:`.ncclsim_ranks`: rank processes of the trainer's switch and
   of the nccl-sim scenarios;
 - :mod:`.strategies`: the hypothesis strategies (models, layouts, transitions) of the vps

@@ -117,7 +117,7 @@ def timeout():
 def operator(devcluster, kubectl, namespace, tmp_path):
     """The CRD applied, `dynatrain operator` running for ``namespace`` (leader election, as in
     a cluster) and a pod runner that runs the job's worker pods as local processes."""
-    from dynatrain.devcluster.pods import PodRunner
+    from harness.pod_runner import job_pods
     from harness.operator_process import ROOT, Operator
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
@@ -125,9 +125,8 @@ def operator(devcluster, kubectl, namespace, tmp_path):
     kubectl("wait", "--for=condition=Established", "--timeout=30s",
             "crd/dynatrainjobs.dynatrain.io")
     op = Operator(devcluster, namespace, tmp_path)
-    # The simulated GPU nodes have no CUDA: the GPU jobs' workers train on the CPU, by name.
-    pods = PodRunner(devcluster.core(), tmp_path / "pods", namespace=namespace,
-                     selector="dynatrain.io/job", cpu_for_gpu_pods=True)
+    # The harness's settings (GPU workers on the CPU, worker pods forked): harness.pod_runner.
+    pods = job_pods(devcluster.core(), tmp_path / "pods", namespace)
     with pods:
         op.start()
         try:

@@ -459,6 +459,34 @@ def test_pod_runner_runs_containers_with_env_volumes_and_a_shared_claim(devclust
             f"hello t0k {ip}"
 
 
+@pytest.mark.parametrize("fork_workers", [False, True])
+def test_a_worker_pod_runs_the_same_forked_or_as_a_new_interpreter(devcluster, core, namespace,
+                                                                    tmp_path, fork_workers):
+    # The tests' harness forks worker pods from a torch-loaded server (harness.pod_runner): the
+    # pod must see the same command, environment, exit code and log either way.
+    from dynatrain.controller.workerstart import ForkedWorker
+    from dynatrain.devcluster.pods import PodRunner
+
+    name = f"worker-{'forked' if fork_workers else 'exec'}"
+    container = {"name": "main", "image": "unused",
+                 "command": ["dynatrain", "worker", "--job", "/config/job.yaml",
+                             "--device", "0", "--log-every", "$(EVERY)"],
+                 "env": [{"name": "EVERY", "value": "-1"}]}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"containers": [container], "restartPolicy": "Never",
+                    "nodeSelector": {"kubernetes.io/hostname": "cpu-node-0"}}}
+    with PodRunner(core, tmp_path / "pods", namespace=namespace,
+                   fork_workers=fork_workers) as runner:
+        core.create_namespaced_pod(namespace, pod)
+        done = wait_until("the worker to exit", lambda: _terminated(core, namespace, name),
+                          timeout=datetime.timedelta(seconds=120))
+        assert done.status.phase == "Failed"
+        assert done.status.container_statuses[0].state.terminated.exit_code == 2
+        assert "--log-every -1 is invalid" in runner.log(namespace, name)
+        proc = runner.process(namespace, name)
+        assert isinstance(proc, ForkedWorker if fork_workers else subprocess.Popen)
+
+
 def test_pod_runner_restarts_per_policy_and_sigterms_a_deleted_pod(devcluster, core, namespace,
                                                                  tmp_path):
     from dynatrain.devcluster.pods import PodRunner

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 @pytest.fixture
 def replicas(devcluster, kubectl, namespace, tmp_path):
     """Two operator replicas (not started) and the pod runner."""
-    from dynatrain.devcluster.pods import PodRunner
+    from harness.pod_runner import job_pods
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "dynatrainjob.yaml"))
@@ -42,9 +42,8 @@ def replicas(devcluster, kubectl, namespace, tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         ops.append(Operator(devcluster, namespace, tmp_path / name))
-    # The simulated GPU nodes have no CUDA: the GPU jobs' workers train on the CPU, by name.
-    pods = PodRunner(devcluster.core(), tmp_path / "pods", namespace=namespace,
-                     selector="dynatrain.io/job", cpu_for_gpu_pods=True)
+    # The harness's settings (GPU workers on the CPU, worker pods forked): harness.pod_runner.
+    pods = job_pods(devcluster.core(), tmp_path / "pods", namespace)
     with pods:
         try:
             yield ops, pods

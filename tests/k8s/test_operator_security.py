@@ -46,7 +46,7 @@ OPERATOR_LABELS = "app.kubernetes.io/name=dynatrain,app.kubernetes.io/instance=d
 def restricted(devcluster, kubectl, tmp_path_factory):
     """(namespace, operator, custom API): a restricted namespace, the operator serving it, and
     a pod runner for its worker pods."""
-    from dynatrain.devcluster.pods import PodRunner
+    from harness.pod_runner import job_pods
     from dynatrain.devcluster.processes import wait_until
 
     core = devcluster.core()
@@ -65,8 +65,7 @@ def restricted(devcluster, kubectl, tmp_path_factory):
                "--operator-namespace", RELEASE_NAMESPACE,
                "--operator-pod-labels", OPERATOR_LABELS,
                "--metrics-namespace-selector", "kubernetes.io/metadata.name=monitoring"]
-    pods = PodRunner(devcluster.core(), workdir / "pods", namespace=name,
-                     selector="dynatrain.io/job", cpu_for_gpu_pods=True)
+    pods = job_pods(devcluster.core(), workdir / "pods", name)
     with pods:
         op.start()
         try:
