@@ -95,6 +95,14 @@ And every worker, for its own device:
     The CUDA caching allocator's ``allocated`` and ``reserved`` bytes after the last step;
     only on a GPU (a CPU worker has no such series).
 
+And the controller (the operator's per-job series, the local runner's endpoint), once the
+running layout has been measured (:mod:`dynatrain.controller.measured`):
+
+``dynatrain_cost_model_step_seconds{kind}`` (gauge)
+    The running layout's step time, ``measured`` (smoothed over its steps, its slowest
+    device's) and ``predicted`` by the cost model the solver chooses layouts with; their
+    ratio is how far off the solver's figures are on this job and machine.
+
 prometheus_client also exposes a ``<name>_created`` timestamp series for every counter and
 histogram; Prometheus 2.x stores those as ordinary series, which only add noise here, so this
 module filters them out of its own registry (without the process-wide switch
@@ -280,6 +288,9 @@ class Metrics:
         self.gpu_memory = Gauge(
             "dynatrain_gpu_memory_bytes", "CUDA allocator bytes (allocated, reserved) after "
             "the last step.", [*JOB_LABELS, "kind"], registry=None)
+        self.cost_model = Gauge(
+            "dynatrain_cost_model_step_seconds", "The running layout's step time, measured "
+            "and as the cost model predicted it.", [*JOB_LABELS, "kind"], registry=None)
         self._training = _JobTraining(namespace, job)
         # Guards the layout's "add new, remove old", the set of initialised reasons, and a
         # step's values against a scrape reading half of them (reentrant: the collector holds
@@ -288,7 +299,7 @@ class Metrics:
         self._collector = _WithoutCreated([
             self.switch_duration, self.switch_bytes, self.switches, step_duration,
             tokens_per_second, step, workers, generation, self.layout_info, self.step_phases,
-            self.gpu_memory], self._training, self._lock)
+            self.gpu_memory, self.cost_model], self._training, self._lock)
         self.registry.register(self._collector)
         self.step_duration = step_duration.labels(namespace, job)
         self.tokens_per_second = tokens_per_second.labels(namespace, job)
@@ -381,6 +392,15 @@ class Metrics:
 
     def set_generation(self, generation: int) -> None:
         self.generation.set(generation)
+
+    def set_measured(self, measured_seconds: float, predicted_seconds: float) -> None:
+        """The running layout's measured and predicted step seconds (a prediction of 0, none
+        made, is left out)."""
+        with self._lock:
+            self.cost_model.labels(self.namespace, self.job, "measured").set(measured_seconds)
+            if predicted_seconds > 0:
+                self.cost_model.labels(self.namespace, self.job, "predicted").set(
+                    predicted_seconds)
 
     def _init_reason(self, reason: str) -> None:
         """Create every series of ``reason`` at zero (see the class docstring)."""

@@ -443,7 +443,10 @@ class TrainingLoop:
                             tokens_per_second=r.tokens_per_second,
                             generation=self.control.generation,
                             sample_begin=r.samples[0], sample_end=r.samples[1],
-                            end_time=time.time())
+                            end_time=time.time(),
+                            compute_seconds=r.phases.get("compute", 0.0),
+                            communication_seconds=r.phases.get("communication", 0.0),
+                            redundancy_seconds=r.phases.get("redundancy", 0.0))
         with self.control.lock:
             self.control.records.append(rec)
             self.control.tokens_per_second = r.tokens_per_second

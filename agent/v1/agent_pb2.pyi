@@ -138,7 +138,7 @@ class StatusRequest(_message.Message):
     def __init__(self, since_step: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time")
+    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time", "compute_seconds", "communication_seconds", "redundancy_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,9 @@ class StepRecord(_message.Message):
     SAMPLE_BEGIN_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_END_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     seconds: float
@@ -155,7 +158,10 @@ class StepRecord(_message.Message):
     sample_begin: int
     sample_end: int
     end_time: float
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ...) -> None: ...
+    compute_seconds: float
+    communication_seconds: float
+    redundancy_seconds: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., communication_seconds: _Optional[float] = ..., redundancy_seconds: _Optional[float] = ...) -> None: ...
 
 class SwitchReport(_message.Message):
     __slots__ = ("generation", "from_layout", "to_layout", "step", "pause_seconds", "bytes_sent", "bytes_received")

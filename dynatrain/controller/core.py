@@ -33,13 +33,14 @@ from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import decide, polling, recovery
+from . import decide, measured, polling, recovery
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
 from .adopt import adopt as _adopt
 from .errors import JobFailed, SuspendFailed, layout_text as _text
 from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
-from .policy import Policy
+from .costmodel import SolverError, estimate
+from .policy import Policy, seq_len_of
 from .progress import Progress
 
 State = pb.StatusResponse.State
@@ -118,6 +119,12 @@ class JobController:
         self.intake = None
         """The front end's ``intake()``: report the capacity signals that arrived (notices,
         exits, joins, requests) now. Called while a switch waits, so none waits behind it."""
+        self.costs = measured.StepCosts()
+        """The running generation's measured step split, per device (:mod:`.measured`)."""
+        self.measurements: dict[int, measured.Measurement] = {}
+        """Generation -> its latest measurement against the cost model (refreshed each tick)."""
+        self._predicted: tuple[int, float] | None = None
+        """(generation, the cost model's step seconds for its layout), computed once."""
         self.requests: list[LayoutRequest] = []
         self.decisions: list[dict] = []
         """Every switch or recovery started: the step it started at, why, and its target (how
@@ -309,6 +316,7 @@ class JobController:
         """Read progress; act on what :func:`.decide.next_action` says. Returns the switch
         made, if any."""
         self.poll()
+        self._measure()
         action = decide.next_action(self.view(), self.policy, self.job, self.profile)
         req = self.pending_request()
         if isinstance(action, decide.Finished):
@@ -334,6 +342,35 @@ class JobController:
         if record is not None and decision.reason in decide.VOLUNTARY:
             self.policy.record_voluntary()
         return record
+
+    def _measure(self) -> None:
+        """Refresh the running generation's measurement (:mod:`.measured`); log the first."""
+        gen, layout = self.generation_running, self.layout
+        if layout is None or self.costs.generation != gen:
+            return
+        if self._predicted is None or self._predicted[0] != gen:
+            self._predicted = (gen, self._predict(layout))
+        m = self.costs.measurement(layout, self._predicted[1])
+        if m is None:
+            return
+        if gen not in self.measurements:
+            self.log(str(m))
+        self.measurements[gen] = m
+        self.metrics.set_measured(m.step_seconds, m.predicted_seconds)
+
+    def _predict(self, layout: Layout) -> float:
+        """The cost model's step seconds for ``layout`` on the job's profile (0: it has none,
+        e.g. a layout the model cannot price)."""
+        job = self.job
+        try:
+            return estimate(job.model, layout, self.profile,
+                            global_batch_size=job.global_batch_size,
+                            micro_batch_size=job.training.micro_batch_size,
+                            seq_len=seq_len_of(job),
+                            activation_checkpointing=job.training.activation_checkpointing
+                            ).step_seconds
+        except SolverError:
+            return 0.0
 
     def view(self) -> decide.View:
         """The controller's state as the values :mod:`.decide` reads."""

@@ -89,6 +89,8 @@ class RunResult:
     """Wall time (Unix seconds) at which the run started: the summary's times count from it."""
     timeline: dict = field(default_factory=dict)
     """step -> (wall time at its end, tokens per second) (:attr:`.progress.Progress.timeline`)."""
+    measurements: list = field(default_factory=list)
+    """Each generation's measured step against the cost model (:mod:`.measured`)."""
 
     def summary(self) -> dict:
         return {"job": self.job, "steps": self.steps, "final_loss": self.final_loss,
@@ -103,6 +105,7 @@ class RunResult:
                 "requests": [r.summary() for r in self.requests],
                 "events": self.events,
                 "decisions": self.decisions,
+                "measurements": [m.summary() for m in self.measurements],
                 "wall_seconds": self.wall_seconds,
                 "step_log": self.step_log()}
 
@@ -501,7 +504,9 @@ class LocalRunner:
                          failures=self.failures, data_problems=problems,
                          samples_inferred=inferred, requests=list(self.controller.requests),
                          events=self.event_log, decisions=self.controller.decisions,
-                         started_at=self.started_at, timeline=dict(p.timeline))
+                         started_at=self.started_at, timeline=dict(p.timeline),
+                         measurements=[self.controller.measurements[g]
+                                       for g in sorted(self.controller.measurements)])
 
 
 def _tail(path: Path, lines: int = 30) -> str:

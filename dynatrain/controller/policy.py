@@ -72,7 +72,7 @@ class Policy:
         cap = min(len(usable), job.workers or job.max_workers)
         kw = dict(global_batch_size=job.global_batch_size,
                   micro_batch_size=job.training.micro_batch_size,
-                  seq_len=_seq_len(job),
+                  seq_len=seq_len_of(job),
                   activation_checkpointing=job.training.activation_checkpointing)
         lim = dict(zero_stages=job.limits.zero_stages, allow=job.limits.allow)
         if current is None or doomed & set(current.device_of):
@@ -168,5 +168,6 @@ class Policy:
         return Decision(layout, reason, best)
 
 
-def _seq_len(job: JobSpec) -> int:
+def seq_len_of(job: JobSpec) -> int:
+    """The tokens per sequence the job trains with (its own, else the default of its config)."""
     return job.training.seq_len or min(job.model.max_seq_len, 128)

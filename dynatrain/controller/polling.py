@@ -114,6 +114,11 @@ def ingest(ctl: JobController, device: int, st) -> None:
                 was = ctl.step_times[key]
                 start, end = min(start, was[0]), max(end, was[1])
             ctl.step_times[key] = (start, end)
+        if rec.compute_seconds or rec.communication_seconds:
+            ctl.costs.add(device, rec.generation, {
+                "step": rec.seconds, "compute": rec.compute_seconds,
+                "communication": rec.communication_seconds,
+                "redundancy": rec.redundancy_seconds})
         p.losses.setdefault(rec.step, rec.loss)
         if rec.end_time:
             p.timeline[rec.step] = (rec.end_time, rec.tokens_per_second)

@@ -70,12 +70,23 @@ def test_quickstart_with_switches_follows_the_run_without(tmp_path, prometheus):
     assert elastic["samples_exactly_once"] and elastic["samples_consumed"] == steps * 12
     for line in ("SWITCH", "preemption", "step"):
         assert line in elastic["stdout"]
+    # Each layout that ran long enough was measured against the cost model: a stage's compute
+    # is part of its slowest device's step, and the last layout has two stages.
+    measured = elastic["measurements"]
+    assert measured and measured[-1]["layout"].startswith("dp=1,tp=2,pp=2"), measured
+    assert len(measured[-1]["stage_compute_seconds"]) == 2
+    for m in measured:
+        assert 0 < max(m["stage_compute_seconds"]) <= m["step_seconds"], m
+        assert m["predicted_seconds"] > 0 and m["ratio"] > 0, m
+        assert f"measured {m['layout']}: step " in elastic["stdout"]
 
     # the metrics, as a real Prometheus scraped them from the controller and the workers
     def q(expr):
         return _values(prometheus.query(expr))
 
     assert q('max_over_time(dynatrain_workers{role="controller"}[10m])') == [4.0]
+    assert len(q('last_over_time(dynatrain_cost_model_step_seconds{role="controller"}[10m])')) \
+        == 2                                        # measured and predicted
     switched = prometheus.query('max_over_time(dynatrain_switches_total{role="controller",'
                                 'result="success"}[10m])')
     by_reason = {r["metric"]["reason"]: float(r["value"][1]) for r in switched}

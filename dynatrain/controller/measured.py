@@ -1,0 +1,154 @@
+"""What the running job measures of its own steps, against what the cost model predicted.
+
+The solver picks layouts from an analytical cost model (:mod:`.costmodel`) and a device
+profile; nothing told it how far off it was on this job and this machine. Every worker's step
+record now carries its split of the step (``StepRecord``: compute, communication wait,
+redundancy wait, summing to the step's time), and this module turns those into figures the
+controller logs, exports and keeps in the run's report:
+
+- :class:`StepCosts`: per device, an exponentially smoothed mean of the step and of each part
+  of its split, over the running generation's steps (its first step is left out: it pays the
+  new generation's warm-up, allocations and lazily built communicators);
+- :meth:`StepCosts.stage_compute`: a pipeline stage's compute is that of its slowest device
+  (the stage's other ranks wait for it in their collectives), so uneven stages show as
+  unequal figures here, and their ratio to the mean as :attr:`Measurement.imbalance`;
+- :func:`measure`: the smoothed step time of the job (its slowest device) over the cost
+  model's prediction for the running layout, the calibration ratio a planner would scale its
+  estimates by.
+
+Pure values and arithmetic: no clock, no process, no torch (a contract checks it), so the
+figures are pinned by hand-computed cases (``tests/controller/test_measured.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynatrain.vps.layout import Layout
+
+SMOOTHING = 0.3
+"""Weight of the newest step in the smoothed means (about the last 3 steps count most)."""
+
+WARMUP_STEPS = 1
+"""Steps of each generation left out of the means (the first pays the generation's set-up)."""
+
+MIN_STEPS = 3
+"""Steps every device of the layout must have reported before a :class:`Measurement` is made."""
+
+PARTS = ("step", "compute", "communication", "redundancy")
+
+
+@dataclass
+class DeviceCost:
+    """One device's smoothed step split in the running generation (seconds)."""
+
+    steps: int = 0
+    """Steps counted (after the warm-up)."""
+    seen: int = 0
+    """Steps reported, the warm-up included."""
+    means: dict[str, float] = field(default_factory=dict)
+
+    def add(self, values: dict[str, float], alpha: float) -> None:
+        self.seen += 1
+        if self.seen <= WARMUP_STEPS:
+            return
+        self.steps += 1
+        for part, value in values.items():
+            was = self.means.get(part)
+            self.means[part] = value if was is None else (1 - alpha) * was + alpha * value
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The running layout's measured step against the cost model's prediction."""
+
+    generation: int
+    layout: str
+    steps: int
+    """The fewest steps any device of the layout had counted."""
+    step_seconds: float
+    """The job's smoothed step time: its slowest device's."""
+    predicted_seconds: float
+    """The cost model's step time for the layout on the job's device profile (0: none)."""
+    stage_compute: tuple[float, ...]
+    """Each pipeline stage's smoothed compute seconds per step (its slowest device's)."""
+    communication_seconds: float
+    """The slowest device's smoothed wait in collectives and pipeline exchanges."""
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted step time (1.0: the model is right; 0 without a prediction)."""
+        return self.step_seconds / self.predicted_seconds if self.predicted_seconds > 0 else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """The slowest stage's compute over the mean stage's (1.0: even stages)."""
+        mean = sum(self.stage_compute) / len(self.stage_compute)
+        return max(self.stage_compute) / mean if mean > 0 else 1.0
+
+    def summary(self) -> dict:
+        return {"generation": self.generation, "layout": self.layout, "steps": self.steps,
+                "step_seconds": round(self.step_seconds, 6),
+                "predicted_seconds": round(self.predicted_seconds, 6),
+                "ratio": round(self.ratio, 4),
+                "stage_compute_seconds": [round(s, 6) for s in self.stage_compute],
+                "imbalance": round(self.imbalance, 4),
+                "communication_seconds": round(self.communication_seconds, 6)}
+
+    def __str__(self) -> str:
+        predicted = (f" vs {self.predicted_seconds:.3f} s predicted (x{self.ratio:.2f})"
+                     if self.predicted_seconds > 0 else "")
+        stages = "/".join(f"{s:.3f}" for s in self.stage_compute)
+        return (f"measured {self.layout}: step {self.step_seconds:.3f} s{predicted}; "
+                f"stage compute {stages} s (imbalance {self.imbalance:.2f}), communication "
+                f"{self.communication_seconds:.3f} s, over {self.steps} steps")
+
+
+class StepCosts:
+    """The smoothed step split of each device of one generation (see the module docstring)."""
+
+    def __init__(self, alpha: float = SMOOTHING):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"smoothing weight alpha={alpha!r} must be in (0, 1]")
+        self.alpha = alpha
+        self.generation = 0
+        self.devices: dict[int, DeviceCost] = {}
+
+    def add(self, device: int, generation: int, values: dict[str, float]) -> None:
+        """One step record of ``device`` in ``generation`` (``values``: seconds per part of
+        :data:`PARTS`). A newer generation starts the means again (another layout's steps
+        cost something else); a record of an older one is ignored."""
+        if generation < self.generation:
+            return
+        if generation > self.generation:
+            self.generation, self.devices = generation, {}
+        unknown = set(values) - set(PARTS)
+        if unknown:
+            raise ValueError(f"step parts {sorted(unknown)} are not among {PARTS}")
+        self.devices.setdefault(device, DeviceCost()).add(values, self.alpha)
+
+    def steps(self, layout: Layout) -> int:
+        """The fewest steps counted by any device of ``layout`` (0 if one has none)."""
+        return min((self.devices[d].steps if d in self.devices else 0)
+                   for d in layout.device_of)
+
+    def _slowest(self, devices, part: str) -> float:
+        return max(self.devices[d].means.get(part, 0.0) for d in devices)
+
+    def stage_compute(self, layout: Layout) -> tuple[float, ...]:
+        """Each pipeline stage's compute: the slowest of its devices (after :meth:`steps` > 0)."""
+        by_stage: list[list[int]] = [[] for _ in range(layout.pp)]
+        for rank, device in enumerate(layout.device_of):
+            by_stage[layout.coords(rank)[0]].append(device)
+        return tuple(self._slowest(devices, "compute") for devices in by_stage)
+
+    def measurement(self, layout: Layout, predicted_seconds: float,
+                    min_steps: int = MIN_STEPS) -> Measurement | None:
+        """The figures of ``layout`` once every device of it has counted ``min_steps``."""
+        steps = self.steps(layout)
+        if steps < min_steps:
+            return None
+        devices = layout.device_of
+        return Measurement(self.generation, layout.to_text(), steps,
+                           self._slowest(devices, "step"), predicted_seconds,
+                           self.stage_compute(layout), self._slowest(devices, "communication"))

@@ -1,0 +1,81 @@
+"""The measured step cost (dynatrain.controller.measured): smoothing, stages, the ratio to the
+cost model's prediction, by hand-computed cases (no processes). A local run that reports these
+figures is in test_run.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynatrain.controller.measured import MIN_STEPS, StepCosts
+from dynatrain.vps.layout import parse_layout
+
+# Ranks in tp, dp, pp order: stage 0 holds devices 4 and 5, stage 1 devices 6 and 7.
+PIPE = parse_layout("dp=2,tp=1,pp=2").with_devices([4, 5, 6, 7])
+
+
+def _step(step: float, compute: float, communication: float = 0.0) -> dict[str, float]:
+    return {"step": step, "compute": compute, "communication": communication,
+            "redundancy": step - compute - communication}
+
+
+def test_the_first_step_is_left_out_and_the_rest_smoothed():
+    costs = StepCosts(alpha=0.5)
+    for step in (10.0, 1.0, 3.0):          # 10 s: the generation's warm-up step
+        costs.add(4, 1, _step(step, step))
+    dev = costs.devices[4]
+    assert (dev.seen, dev.steps) == (3, 2)
+    assert dev.means["step"] == pytest.approx(0.5 * 1.0 + 0.5 * 3.0)      # 2.0
+
+
+def test_a_stage_is_as_slow_as_its_slowest_device_and_the_job_as_its_slowest_step():
+    costs = StepCosts(alpha=1.0)            # the newest step only: figures read off directly
+    split = {4: _step(0.50, 0.30, 0.15), 5: _step(0.50, 0.20, 0.25),
+             6: _step(0.45, 0.10, 0.30), 7: _step(0.50, 0.05, 0.40)}
+    for _ in range(1 + MIN_STEPS):
+        for device, values in split.items():
+            costs.add(device, 2, values)
+    m = costs.measurement(PIPE, predicted_seconds=0.40)
+    assert m is not None and m.steps == MIN_STEPS and m.generation == 2
+    assert m.stage_compute == (0.30, 0.10)
+    assert m.imbalance == pytest.approx(0.30 / 0.20)                       # 1.5
+    assert m.step_seconds == 0.50 and m.ratio == pytest.approx(0.50 / 0.40)  # 1.25
+    assert m.communication_seconds == 0.40
+    assert m.summary()["stage_compute_seconds"] == [0.3, 0.1]
+    assert "x1.25" in str(m) and "imbalance 1.50" in str(m)
+
+
+def test_no_measurement_until_every_device_has_its_steps():
+    costs = StepCosts()
+    for _ in range(1 + MIN_STEPS):
+        for device in (4, 5, 6):            # device 7 has reported nothing yet
+            costs.add(device, 1, _step(1.0, 0.5))
+    assert costs.measurement(PIPE, 1.0) is None
+    costs.add(7, 1, _step(1.0, 0.5))        # its warm-up step: still none counted
+    assert costs.steps(PIPE) == 0 and costs.measurement(PIPE, 1.0) is None
+
+
+def test_a_new_generation_starts_again_and_an_older_ones_records_are_ignored():
+    costs = StepCosts(alpha=1.0)
+    for _ in range(3):
+        costs.add(4, 1, _step(2.0, 2.0))
+    costs.add(4, 2, _step(9.0, 9.0))        # the new layout's warm-up
+    costs.add(4, 1, _step(5.0, 5.0))        # a late record of the old generation
+    costs.add(4, 2, _step(1.0, 1.0))
+    assert costs.generation == 2 and costs.devices[4].steps == 1
+    assert costs.devices[4].means["step"] == 1.0
+
+
+def test_without_a_prediction_the_ratio_is_zero_and_not_printed():
+    costs = StepCosts(alpha=1.0)
+    one = parse_layout("dp=1").with_devices([3])
+    for _ in range(1 + MIN_STEPS):
+        costs.add(3, 1, _step(0.2, 0.2))
+    m = costs.measurement(one, predicted_seconds=0.0)
+    assert m.ratio == 0.0 and "predicted" not in str(m) and m.imbalance == 1.0
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"alpha=0 must be in \(0, 1\]"):
+        StepCosts(alpha=0)
+    with pytest.raises(ValueError, match=r"\['wait'\] are not among"):
+        StepCosts().add(0, 1, {"step": 1.0, "wait": 0.5})
