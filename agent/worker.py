@@ -58,6 +58,7 @@ from dynatrain.trainer.backend import (BACKENDS, NCCL_CLEAN_UP_ONLY, NCCL_ERROR_
                                        BackendError, asked_for, cuda_index, job_backend,
                                        nccl_error_handling, torch_device)
 from dynatrain.trainer.trainer import warm_up
+from dynatrain.vps import faults
 
 from .auth import DEFAULT_CLIENT_NAME, AuthConfigError
 from .metrics import REASONS, Metrics
@@ -186,6 +187,10 @@ def main(argv=None) -> int:
     if args.tls_dir and not Path(args.tls_dir).is_dir():
         parser.error(f"--tls-dir {args.tls_dir!r} is not a directory; it must hold tls.crt, "
                      "tls.key and client-ca.crt")
+    try:
+        faults.slowdown(args.device)                 # a malformed test setting fails here
+    except ValueError as e:
+        parser.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     job = load_job(args.job)

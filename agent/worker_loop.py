@@ -376,6 +376,8 @@ class TrainingLoop:
             old_redundancy, self.control.redundancy = self.control.redundancy, redundancy
             old_previous, self.control.previous = self.control.previous, None
             old_generation = self.control.generation
+            if trainer is not None:
+                trainer.slowdown = faults.slowdown(self.device)
             self.control.trainer = trainer
             self.control.generation = p.generation
             abandon.keep_only(p.generation)    # no earlier generation is waited on now

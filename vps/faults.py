@@ -22,6 +22,11 @@ runner), which has two points of its own, for tests of a controller that dies mi
 preparation too). With ``DYNATRAIN_FAULT_LOG=FILE`` the device appends one JSON line (device,
 point, wall time) before it fails, so a benchmark can time recovery from the fault itself.
 Without the variable these calls cost one dictionary lookup.
+
+``DYNATRAIN_SLOWDOWN="device:D,factor:F"`` makes device D compute F times slower than it does
+(:func:`slowdown`; the trainer sleeps ``F - 1`` times each step's own compute time, outside
+any collective): a straggler or a slower device on one machine, for the measured-cost and
+rebalancing tests and ``benchmarks/rebalance.py``.
 """
 
 from __future__ import annotations
@@ -65,3 +70,20 @@ def inject(point: str, device: int, round_index: int | None = None) -> None:
         while True:
             time.sleep(3600)
     os._exit(17)
+
+
+def slowdown(device: int) -> float:
+    """The compute slowdown ``DYNATRAIN_SLOWDOWN`` gives ``device`` (1.0: none); a malformed
+    value is a ``ValueError`` that names it and the expected form."""
+    spec = os.environ.get("DYNATRAIN_SLOWDOWN")
+    if not spec:
+        return 1.0
+    try:
+        fields = dict(part.split(":", 1) for part in spec.split(","))
+        target, factor = int(fields["device"]), float(fields["factor"])
+    except (KeyError, ValueError):
+        raise ValueError(f"DYNATRAIN_SLOWDOWN={spec!r} is not 'device:D,factor:F' (e.g. "
+                         "'device:1,factor:2.5')") from None
+    if not factor >= 1.0:
+        raise ValueError(f"DYNATRAIN_SLOWDOWN={spec!r}: factor {factor} must be >= 1")
+    return factor if target == device else 1.0

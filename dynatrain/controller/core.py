@@ -125,6 +125,9 @@ class JobController:
         """Generation -> its latest measurement against the cost model (refreshed each tick)."""
         self._predicted: tuple[int, float] | None = None
         """(generation, the cost model's step seconds for its layout), computed once."""
+        self._last_pause_s = 1.0
+        """The latest generation's pause (a start's included): what a switch is taken to cost
+        the job, for the rebalance's payback (1 s before any)."""
         self.requests: list[LayoutRequest] = []
         self.decisions: list[dict] = []
         """Every switch or recovery started: the step it started at, why, and its target (how
@@ -382,7 +385,9 @@ class JobController:
             finished=self.progress.finished, last_step_at=self._last_step_at,
             give_up_s=self.timeouts.give_up_s, interrupted_since=self.interrupted_since,
             recover_in_memory=self.recover_in_memory,
-            request=decide.Request(req.layout) if req is not None else None)
+            request=decide.Request(req.layout) if req is not None else None,
+            measurement=self.measurements.get(self.generation_running),
+            switch_cost_s=self._last_pause_s)
 
     def _refuse(self, req: LayoutRequest, why: str) -> None:
         self._answer(req, "refused", why)
@@ -540,6 +545,7 @@ class JobController:
             except AgentCallError:
                 pass
         self.previous_devices = tuple(old.device_of) if old is not None else ()
+        self._last_pause_s = record.pause_seconds
         self.layout = new
         self.generation_running = record.generation
         for d in new.device_of:          # a newcomer's first record is of the step after this

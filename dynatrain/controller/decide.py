@@ -14,7 +14,9 @@ network and no process of its own:
 - :func:`hung`: members that answer Status but hold the others up;
 - :func:`acts_on_notice`: whether a preemption notice (the cluster's, or a worker's SIGTERM)
   becomes a live switch, by ``spec.preemptionPolicy`` (the operator and the controller ask);
-- :func:`choose_restore`: where a recovery restores from (which step, which mirrors).
+- :func:`choose_restore`: where a recovery restores from (which step, which mirrors);
+- :func:`rebalance`, :func:`balanced_stages`: when the measured pipeline stages are uneven
+  (:mod:`.measured`), move layers between them, live (reason ``rebalance``).
 
 The module imports no grpc, kubernetes or torch (a contract in pyproject.toml says so), so its
 rules are tested as tables of cases in milliseconds (tests/controller/test_decide.py), apart
@@ -23,17 +25,18 @@ from the processes that the end-to-end tests start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from dynatrain.vps.layout import Layout
+from dynatrain.vps.layout import Layout, default_stages, layout_problems
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from .costmodel import SolverError
+from .costmodel import SolverError, estimate
+from .measured import Measurement
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
-from .policy import Decision, Policy
+from .policy import Decision, Policy, seq_len_of
 
-VOLUNTARY = ("scale-up", "better-layout")
+VOLUNTARY = ("scale-up", "better-layout", "rebalance")
 """Switch reasons the policy may choose or not (a cooldown applies; a request supersedes)."""
 INTERRUPT_GRACE_S = 1.0
 """How long members may report INTERRUPTED before the controller recovers without knowing
@@ -72,6 +75,10 @@ class View:
     interrupted_since: float | None = None
     recover_in_memory: bool = True
     request: Request | None = None
+    measurement: Measurement | None = None
+    """The running generation's measured step (:mod:`.measured`), once it has one."""
+    switch_cost_s: float = 1.0
+    """What a switch costs the job in seconds of training (the last one's pause)."""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -164,8 +171,63 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     if v.request is not None and v.layout is not None:
         answer = waiting_answer(v.request, decision, len(v.usable))
     if decision is None:
+        target = rebalance(v, job, policy) if v.request is None else None
+        if target is not None:
+            kw = dict(global_batch_size=job.global_batch_size,
+                      micro_batch_size=job.training.micro_batch_size,
+                      seq_len=seq_len_of(job),
+                      activation_checkpointing=job.training.activation_checkpointing)
+            return Switch(Decision(target, "rebalance", estimate(job.model, target, profile,
+                                                                 **kw)))
         return Idle(answer=answer)
     return Switch(decision, answer)
+
+
+def balanced_stages(stage_compute: tuple[float, ...], stages: tuple[int, ...]
+                    ) -> tuple[int, ...]:
+    """The split of the same layers between the same stages that minimises the slowest
+    stage, if each layer of stage i costs what stage i measured per layer
+    (``stage_compute[i] / stages[i]``: the device's speed and the layers' mix as measured).
+    One layer at a time goes to the stage it slows least: optimal for this min-max (each
+    stage's cost grows linearly with its layers). Ties go to the earlier stage."""
+    if len(stage_compute) != len(stages) or not stages or min(stages) < 1:
+        raise ValueError(f"stage_compute {stage_compute} and stages {stages} must name the "
+                         "same stages, each with at least one layer")
+    per_layer = [c / n for c, n in zip(stage_compute, stages)]
+    split = [1] * len(stages)
+    for _ in range(sum(stages) - len(stages)):
+        i = min(range(len(split)), key=lambda k: ((split[k] + 1) * per_layer[k], k))
+        split[i] += 1
+    return tuple(split)
+
+
+def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
+    """The running layout with its layers split again between its stages, when
+    ``spec.parallelism.rebalance`` is on and the measurement says it pays: the slowest stage
+    measured at least ``threshold`` times the mean one, the split from :func:`balanced_stages`
+    modelled to save at least 5% of the step, and that saving over ``paybackSteps`` steps at
+    least the switch's own cost. As a voluntary switch it also waits for the policy's cooldown
+    and is not made near the job's end. A new generation is measured afresh (its first step
+    left out), so a rebalance is judged on the layout it made before another is made."""
+    reb, m, lay = job.rebalance, v.measurement, v.layout
+    if not reb.enabled or job.mode != "auto" or lay is None or lay.pp < 2 or m is None:
+        return None
+    if m.layout != lay.to_text() or m.imbalance < reb.threshold:
+        return None
+    if job.training.steps - v.step < max(policy.min_steps_left, 1):
+        return None
+    if v.now - policy.last_voluntary < policy.cooldown_s:
+        return None
+    stages = lay.stages or default_stages(job.model.num_layers, lay.pp)
+    split = balanced_stages(m.stage_compute, stages)
+    if split == tuple(stages):
+        return None
+    per_layer = [c / n for c, n in zip(m.stage_compute, stages)]
+    saving = max(m.stage_compute) - max(k * r for k, r in zip(split, per_layer))
+    if saving < 0.05 * m.step_seconds or saving * reb.payback_steps < v.switch_cost_s:
+        return None
+    target = replace(lay, stages=split)
+    return None if layout_problems(target, job.model) else target
 
 
 def waiting_answer(req: Request, decision: Decision | None, usable: int) -> Answer | None:

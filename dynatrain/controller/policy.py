@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.placement import place_devices
@@ -104,7 +104,14 @@ class Policy:
                 continue                              # no layout uses exactly n devices
             return self._place(job, current, usable, bigger, "scale-up")
         best = solve(job.model, current.world, profile, **kw, **lim)
-        now = estimate(job.model, current, profile, **kw)
+        # The cost model prices a layout's degrees on uniform devices; how the layers are
+        # split between stages is the measured costs' call (decide.rebalance). So the running
+        # degrees are priced with even stages, and a switch that would only split them again
+        # is never "better".
+        even = replace(current, stages=None)
+        if best.layout.same_shape(even):
+            return None
+        now = estimate(job.model, even, profile, **kw)
         if best.tokens_per_second < self.margin * now.tokens_per_second:
             return None
         return self._place(job, current, usable, best, "better-layout")

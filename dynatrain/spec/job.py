@@ -101,6 +101,18 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Rebalance:
+    """``spec.parallelism.rebalance``: move layers between pipeline stages, live, when the
+    measured stages are uneven (:func:`dynatrain.controller.decide.rebalance`)."""
+
+    enabled: bool = False
+    threshold: float = 1.15
+    """Act when the slowest stage's measured compute is this many times the mean stage's."""
+    payback_steps: int = 50
+    """Only if the modelled saving pays the switch's own cost back within this many steps."""
+
+
+@dataclass(frozen=True)
 class RecoverySpec:
     """How the job survives workers that die without notice (``spec.recovery``)."""
 
@@ -157,6 +169,7 @@ class JobSpec:
     preemption_policy: str = "Switch"
     image: str = ""
     limits: Limits = Limits()
+    rebalance: Rebalance = Rebalance()
     recovery: RecoverySpec = RecoverySpec()
     save_hf: str = ""
     """``spec.output.hf``: where the workers write a Hugging Face checkpoint of the trained
@@ -270,6 +283,19 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                     max_pp=r.int(lim, "maxPP", "spec.parallelism.limits", minimum=1),
                     max_ep=r.int(lim, "maxEP", "spec.parallelism.limits", minimum=1),
                     zero_stages=tuple(sorted(set(zero))))
+    reb = r.obj(par, "rebalance", "spec.parallelism")
+    threshold = r.float(reb, "threshold", "spec.parallelism.rebalance", Rebalance.threshold)
+    if threshold is not None and threshold <= 1.0:
+        r.problems.append(f"spec.parallelism.rebalance.threshold={threshold!r} must be > 1 "
+                          "(the slowest stage over the mean stage; 1.0 is even)")
+    if reb.get("enabled") is True and mode == "fixed":
+        r.problems.append("spec.parallelism.rebalance applies only to mode auto (a fixed job "
+                          "keeps spec.parallelism.layout, stages included)")
+    rebalance = Rebalance(
+        enabled=r.bool(reb, "enabled", "spec.parallelism.rebalance", False),
+        threshold=threshold or Rebalance.threshold,
+        payback_steps=r.int(reb, "paybackSteps", "spec.parallelism.rebalance",
+                            Rebalance.payback_steps, minimum=1) or Rebalance.payback_steps)
     gbs = (r.int(spec, "globalBatchSize", "spec", DEFAULT_GLOBAL_BATCH_SIZE, minimum=1)
            or DEFAULT_GLOBAL_BATCH_SIZE)
     tr = r.obj(spec, "training", "spec")
@@ -383,6 +409,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    issuer_ref=issuer_ref,
                    preemption_policy=policy, image=image or "", raw=doc, limits=limits,
+                   rebalance=rebalance,
                    recovery=recovery, save_hf=save_hf, tensorboard=tensorboard,
                    log_every=log_every, suspend=suspend)
 

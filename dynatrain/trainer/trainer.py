@@ -161,6 +161,9 @@ class Trainer:
         self.measure_activations = False
         """Count the bytes saved for backward in each step (``StepResult.activation_bytes``);
         off by default: the hooks cost a little Python per saved tensor."""
+        self.slowdown = 1.0
+        """Compute this many times slower (a test's simulated slow device: the worker sets it
+        from ``DYNATRAIN_SLOWDOWN``, :func:`dynatrain.vps.faults.slowdown`)."""
         self._dense = [n for n, s in self.specs.items() if s.expert_dim is None]
         self._expert = [n for n, s in self.specs.items() if s.expert_dim is not None]
         # Tensors whose master gradient this rank adds to the global norm. The master
@@ -259,12 +262,16 @@ class Trainer:
                                 self.lay.dp, g.dp_index, cfg.micro_batch_size)
         scale = 1.0 / (len(batches) * self.lay.dp)
         run = self._one_f_one_b if self.lay.schedule == "1f1b" else self._gpipe
+        c0, cw0 = time.perf_counter(), waited_seconds()
         if self.measure_activations:
             with ActivationMeter(exclude=[*w.values(), *self.params.values()]) as meter:
                 losses = run(batches, scale)
             activation_bytes = meter.peak_bytes
         else:
             losses, activation_bytes = run(batches, scale), 0
+        if self.slowdown > 1.0:               # a simulated slower device (vps.faults.slowdown)
+            compute = (time.perf_counter() - c0) - (waited_seconds() - cw0)
+            time.sleep((self.slowdown - 1.0) * max(0.0, compute))
 
         fill_missing_grads(self.working)
         reduce_gradients(self.working, self.specs, g)
