@@ -20,6 +20,8 @@ import time
 
 from kubernetes.client.rest import ApiException
 
+from dynatrain.controller import decide
+
 from . import cluster as k
 from . import guard, pki
 from .basics import Backoff, JobContext, Room, api_message as _api_message
@@ -125,7 +127,7 @@ class WorkerPods(Room):
         member) or forgotten, the pod deleted, and the next pod created after a back-off."""
         c = self.controller
         d = w.device
-        if d in c.members and d not in self.left:
+        if decide.exit_is_failure(member=d in c.members, released=d in self.left, code=None):
             c.fail_device(d, f"its pod is unhealthy: {w.unhealthy}")
         elif d in c.clients:
             c.remove_device(d)

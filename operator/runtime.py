@@ -412,7 +412,8 @@ class JobRuntime:
         for d in list(c.clients):                       # pods that are gone
             if d not in workers:
                 self.log(f"worker {d}: pod gone")
-                if d in c.members and d not in self.pods.left:  # without notice: recover
+                if decide.exit_is_failure(member=d in c.members, released=d in self.pods.left,
+                                          code=None):               # without notice: recover
                     # The controller judges whether that is a failure (a leaver of the switch
                     # in flight may exit as its part ends): _report_lost says it if so.
                     c.fail_device(d, "its pod is gone without notice")

@@ -14,6 +14,8 @@ network and no process of its own:
 - :func:`hung`: members that answer Status but hold the others up;
 - :func:`acts_on_notice`: whether a preemption notice (the cluster's, or a worker's SIGTERM)
   becomes a live switch, by ``spec.preemptionPolicy`` (the operator and the controller ask);
+- :func:`exit_is_failure`: whether a worker that exited, or whose pod is gone, failed (the
+  local runner and the operator ask);
 - :func:`choose_restore`: where a recovery restores from (which step, which mirrors);
 - :func:`rebalance`, :func:`balanced_stages`: when the measured pipeline stages are uneven
   (:mod:`.measured`), move layers between them, live (reason ``rebalance``).
@@ -303,6 +305,16 @@ def acts_on_notice(job: JobSpec) -> bool:
     """Whether a preemption notice becomes a live switch (``spec.preemptionPolicy: Switch``)
     or is only reported, the device then recovered if it goes (``Ignore``)."""
     return job.preemption_policy == "Switch"
+
+
+def exit_is_failure(*, member: bool, released: bool, code: int | None) -> bool:
+    """Whether a worker that exited (or whose pod is gone) failed, for both front ends: a
+    member of the running layout that the front end did not release (a pod it deleted after
+    switching it off, a replaced unhealthy pod) and that did not exit 0 (``code`` None: not
+    known, as when a pod is gone). A leaver exits 0 once its part of a switch is done, maybe
+    before the controller records the new layout; the controller itself judges an exit seen
+    while a switch is in flight (:meth:`~.core.JobController.fail_device`)."""
+    return member and not released and code != 0
 
 
 # -- recovery ------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from dynatrain.agent.metrics import REASONS, Metrics
 from dynatrain.agent.worker_control import DEFAULT_GRACE_S
 from dynatrain.trainer.backend import visible_gpu
 
+from . import decide
 from .core import JobController, JobFailed
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
@@ -327,10 +328,8 @@ class LocalRunner:
                 self.failures.append((w.device, time.time()))
                 self.controller.remove_device(w.device)
                 continue
-            # A leaver exits 0 once its switch is done, possibly before the controller has
-            # recorded the new layout (its exit is seen while the switch ends).
-            in_layout = w.device in self.controller.members and code != 0
-            if in_layout:
+            if decide.exit_is_failure(member=w.device in self.controller.members,
+                                      released=False, code=code):
                 self.failures.append((w.device, time.time()))
                 if self.restart_on_failure:
                     self._restart(w.device, code)

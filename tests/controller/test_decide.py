@@ -355,3 +355,17 @@ def test_random_overlapping_events_replayed(seed):
     # Growth took what was there: in auto mode the job ends on as many devices as fit.
     if r.job.mode == "auto":
         assert r.layout.world >= min(4, len(r.up - r.doomed)) or r.layout.world == 4
+
+
+# -- exit_is_failure: the one exit rule of both front ends ----------------------------------------
+@pytest.mark.parametrize("member, released, code, failure", [
+    (True, False, 1, True),            # a member crashed
+    (True, False, -9, True),           # killed (a notice that ran out, an OOM kill)
+    (True, False, None, True),         # its pod is gone, the code unknown: without notice
+    (True, False, 0, False),           # a leaver done with its part of the switch
+    (True, True, None, False),         # a pod the front end deleted after switching it off
+    (False, False, 1, False),          # a standby (joiner) that stopped: not in the layout
+    (False, False, None, False),
+])
+def test_exit_is_failure(member, released, code, failure):
+    assert decide.exit_is_failure(member=member, released=released, code=code) is failure
