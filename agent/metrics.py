@@ -126,8 +126,8 @@ PHASES = ("prepare", "pause", "transfer")
 """The phases a switch's duration is reported in."""
 RESULTS = ("success", "aborted", "failed")
 """The outcomes of a switch."""
-REASONS = ("preemption", "scale-up", "scale-down", "better-layout", "rebalance", "requested",
-           "failure")
+REASONS = ("preemption", "scale-up", "scale-down", "release", "better-layout", "rebalance",
+           "requested", "failure")
 """Why the controller's policy switches (``reason``); their series exist from the start, so
 that rate() sees a job's first switch of each kind."""
 

@@ -155,7 +155,10 @@ class WorkerPods(Room):
             return
         self.conditions.set("ImageAllowed", True, "Allowed", "any image" if not
                             s.allowed_images else "matches --allowed-images", gen)
-        target = self.job.workers or self.job.max_workers
+        # spec.elastic.minEfficiency: only the workers that pay off (the policy's count).
+        c = self.controller
+        target = c.policy.efficient_workers(self.job, c.profile,
+                                            self.job.workers or self.job.max_workers)
         want = min(target, s.max_pods_per_job)
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
         if len(alive) > want:

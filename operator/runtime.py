@@ -523,7 +523,7 @@ class JobRuntime:
                 self.pods.left.add(d)
                 self.pods.delete_pod(w.name)
                 continue
-            switched_off = w.doomed or (r.reason == "scale-down" and r.from_layout)
+            switched_off = w.doomed or (r.reason in ("scale-down", "release") and r.from_layout)
             if d not in c.members and d in c.clients and switched_off:   # free its pod
                 self.pods.left.add(d)
                 c.remove_device(d)

@@ -341,6 +341,8 @@ class JobController:
         if not isinstance(action, decide.Switch):
             return None
         decision = action.decision
+        if decision.note:
+            self.log(f"{decision.reason}: {decision.note}")
         record = self._switch(decision.layout, decision.reason)
         if record is not None and decision.reason in decide.VOLUNTARY:
             self.policy.record_voluntary()

@@ -20,6 +20,7 @@ unexpectedly the job stops and the tail of that log is shown.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -407,8 +408,22 @@ class LocalRunner:
         elif event.kind == "join":
             new = self._spawn(event.count, wait=False)
             self._say(f"  workers {new} starting")
+        elif event.kind == "minEfficiency":     # a spec edit, as `kubectl edit` makes it
+            self.job = dataclasses.replace(self.job, min_efficiency=event.value)
+            self.controller.set_job(self.job)
         else:
             self.controller.request_layout(event.layout)
+
+    def _release(self) -> None:
+        """Stop the workers a ``release`` switch left out (as the operator deletes their pods):
+        the machine's CPUs or GPUs go back to whatever else runs there."""
+        c = self.controller
+        for d in sorted(set(self.workers) - set(c.members)):
+            w = self.workers[d]
+            if w.agent and w.proc.poll() is None:
+                self._say(f"worker {d}: released (spec.elastic.minEfficiency)")
+                w.expected_exit = True
+                w.proc.send_signal(signal.SIGTERM)
 
     def _apply_due_events(self) -> None:
         c = self.controller
@@ -453,6 +468,8 @@ class LocalRunner:
                     continue
                 if record is not None:
                     self._report_switch(record)
+                    if record.reason == "release":
+                        self._release()
                 p = c.progress
                 self._apply_due_events()
                 if p.finished:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.placement import place_devices
@@ -52,6 +52,8 @@ class Decision:
     """The new layout with its devices."""
     reason: str
     estimate: Estimate
+    note: str = ""
+    """The figures behind the decision, for the log (e.g. why workers are released)."""
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Policy:
     cooldown_s: float = 10.0
     min_steps_left: int = 5
     last_voluntary: float = float("-inf")
+    _efficiency_cache: dict = field(default_factory=dict, repr=False)
 
     def decide(self, job: JobSpec, profile: DeviceProfile, current: Layout | None,
                usable: list[int], doomed: set[int], step: int) -> Decision | None:
@@ -69,7 +72,9 @@ class Policy:
         gone) that the running layout must leave.
         """
         usable = sorted(usable)
-        cap = min(len(usable), job.workers or job.max_workers)
+        wanted = job.workers or job.max_workers
+        efficient = self.efficient_workers(job, profile, wanted)
+        cap = min(len(usable), efficient)
         kw = dict(global_batch_size=job.global_batch_size,
                   micro_batch_size=job.training.micro_batch_size,
                   seq_len=seq_len_of(job),
@@ -93,6 +98,12 @@ class Policy:
             # Fewer workers wanted (``kubectl scale`` down): at once, as a request is.
             best = self._best(job, profile, cap, kw)
             return self._shrink(job, current, usable, best)
+        if job.mode != "fixed" and current.world > efficient:
+            # Workers that add less than spec.elastic.minEfficiency: released, at once.
+            best = self._best(job, profile, cap, kw)
+            decision = self._shrink(job, current, usable, best, "release")
+            decision.note = self.efficiency_note(job, profile, wanted)
+            return decision
         if job.mode == "fixed" or steps_left < self.min_steps_left:
             return None
         if time.monotonic() - self.last_voluntary < self.cooldown_s:
@@ -134,8 +145,53 @@ class Policy:
         raise SolverError("no layout fits between spec.elastic.minWorkers="
                           f"{job.min_workers} and {cap} devices: " + "; ".join(errors))
 
+    def efficient_workers(self, job: JobSpec, profile: DeviceProfile, cap: int) -> int:
+        """The most workers, up to ``cap``, each of which adds at least
+        ``spec.elastic.minEfficiency`` of a worker's throughput: counting up from
+        ``minWorkers`` over the counts some layout can use, a count is kept while the solver's
+        best throughput grows, per added worker, by at least that fraction of the new count's
+        throughput per worker. ``cap`` itself without the setting (or in mode fixed).
+        Remembered per job, profile and cap (the solver runs once per count)."""
+        if job.min_efficiency <= 0 or job.mode == "fixed" or cap <= job.min_workers:
+            return cap
+        return self._efficiency(job, profile, cap)[0]
+
+    def efficiency_note(self, job: JobSpec, profile: DeviceProfile, cap: int) -> str:
+        """The figures behind :meth:`efficient_workers`, for the log."""
+        keep, figures = self._efficiency(job, profile, cap)
+        shown = ", ".join(f"{n}: {t:,.0f} tok/s ({t / n:,.0f}/worker)" for n, t in figures)
+        return (f"keeps {keep} of up to {cap} workers at spec.elastic.minEfficiency="
+                f"{job.min_efficiency:g} (estimated {shown})")
+
+    def _efficiency(self, job: JobSpec, profile: DeviceProfile, cap: int):
+        key = (job.model.name, job.model.num_layers, job.global_batch_size,
+               job.training.micro_batch_size, seq_len_of(job), job.limits, job.min_workers,
+               job.min_efficiency, profile, cap)
+        if self._efficiency_cache.get("key") != key:
+            kw = dict(global_batch_size=job.global_batch_size,
+                      micro_batch_size=job.training.micro_batch_size,
+                      seq_len=seq_len_of(job),
+                      activation_checkpointing=job.training.activation_checkpointing,
+                      zero_stages=job.limits.zero_stages, allow=job.limits.allow)
+            figures, keep = [], None
+            for n in range(max(1, job.min_workers), cap + 1):
+                try:
+                    t = solve(job.model, n, profile, **kw).tokens_per_second
+                except SolverError:
+                    continue                      # no layout uses exactly n devices
+                if keep is not None:
+                    last_n, last_t = figures[-1]
+                    if (t - last_t) / (n - last_n) < job.min_efficiency * t / n:
+                        figures.append((n, t))
+                        break
+                figures.append((n, t))
+                keep = n
+            self._efficiency_cache = {"key": key, "value": (keep or cap, figures)}
+        return self._efficiency_cache["value"]
+
     @staticmethod
-    def _shrink(job, current: Layout, usable: list[int], best: Estimate) -> Decision:
+    def _shrink(job, current: Layout, usable: list[int], best: Estimate,
+                reason: str = "scale-down") -> Decision:
         """Scale down: of the running layout's devices, keep the ones that make the switch
         move the fewest bytes over the network (every keep set is planned while there are at
         most ``SHRINK_CANDIDATES``, else a few built from the layout's structure); on a tie
@@ -160,7 +216,7 @@ class Policy:
                 chosen, cost = layout, moved
             if time.monotonic() > deadline:      # a huge model: the best found so far
                 break
-        return Decision(chosen, "scale-down", best)
+        return Decision(chosen, reason, best)
 
     @staticmethod
     def _place(job, current: Layout | None, usable: list[int], best: Estimate,

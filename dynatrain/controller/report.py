@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-REASON_COLOURS = {"preemption": "#d62728", "scale-down": "#ff7f0e", "scale-up": "#2ca02c",
+REASON_COLOURS = {"preemption": "#d62728", "scale-down": "#ff7f0e", "release": "#e377c2",
+                  "scale-up": "#2ca02c",
                   "better-layout": "#17becf", "rebalance": "#bcbd22", "requested": "#9467bd"}
 """One colour per switch reason (``agent.metrics.REASONS``); any other reason is brown."""
 OTHER_COLOUR = "#8c564b"

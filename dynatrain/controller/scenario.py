@@ -18,6 +18,9 @@ events:
   - atStep: 70
     hang: {workers: [2]}                         # stops (SIGSTOP), alive but silent: the
                                                  # watchdog declares it failed, it is killed
+  - atStep: 75
+    minEfficiency: 0.5                           # spec.elastic.minEfficiency set (kubectl
+                                                 # edit): workers that add less are released
 ```
 
 Workers are named by their device id: the initial workers are 0..N-1, joiners take the next
@@ -33,7 +36,7 @@ import yaml
 
 from dynatrain.vps.layout import Layout, LayoutError, parse_layout
 
-KINDS = ("preempt", "evict", "join", "layout", "kill", "hang")
+KINDS = ("preempt", "evict", "join", "layout", "kill", "hang", "minEfficiency")
 
 
 class ScenarioError(ValueError):
@@ -49,6 +52,8 @@ class Event:
     """A preemption's notice, or an eviction's grace period."""
     count: int = 0
     layout: Layout | None = None
+    value: float = 0.0
+    """``minEfficiency``: the new ``spec.elastic.minEfficiency``."""
 
     def describe(self) -> str:
         if self.kind == "preempt":
@@ -63,6 +68,8 @@ class Event:
             return f"worker(s) {list(self.workers)} hang (stopped, still alive)"
         if self.kind == "join":
             return f"{self.count} worker(s) join"
+        if self.kind == "minEfficiency":
+            return f"spec.elastic.minEfficiency set to {self.value:g}"
         return f"layout {self.layout.to_text()} requested"
 
 
@@ -137,6 +144,12 @@ def parse_scenario(doc, *, source: str = "scenario") -> Scenario:
                 problems.append(f"{where}.join={value!r} must be a positive worker count")
                 continue
             events.append(Event(step, kind, count=value))
+        elif kind == "minEfficiency":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < 1:
+                problems.append(f"{where}.minEfficiency={value!r} must be a number in [0, 1)")
+                continue
+            events.append(Event(step, kind, value=float(value)))
         else:
             try:
                 events.append(Event(step, kind, layout=parse_layout(value)))

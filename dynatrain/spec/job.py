@@ -168,6 +168,10 @@ class JobSpec:
     the agents' certificates; None: the operator's own per-job CAs."""
     preemption_policy: str = "Switch"
     image: str = ""
+    min_efficiency: float = 0.0
+    """``spec.elastic.minEfficiency``: a worker is kept only while it adds at least this
+    fraction of a worker's throughput (0: every worker capacity allows;
+    :meth:`dynatrain.controller.policy.Policy.efficient_workers`)."""
     limits: Limits = Limits()
     rebalance: Rebalance = Rebalance()
     recovery: RecoverySpec = RecoverySpec()
@@ -257,6 +261,11 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
     if min_w and max_w and min_w > max_w:
         r.problems.append(f"spec.elastic.minWorkers={min_w} must be <= "
                           f"spec.elastic.maxWorkers={max_w}")
+    min_eff = r.float(elastic, "minEfficiency", "spec.elastic", 0.0, positive=False)
+    if min_eff is not None and not 0.0 <= min_eff < 1.0:
+        r.problems.append(f"spec.elastic.minEfficiency={min_eff!r} must be in [0, 1) (the "
+                          "fraction of a worker's throughput an added worker must bring)")
+        min_eff = 0.0
     if workers is not None and min_w and max_w and not min_w <= workers <= max_w:
         r.problems.append(f"spec.elastic.workers={workers} must lie in "
                           f"[minWorkers, maxWorkers] = [{min_w}, {max_w}]")
@@ -405,6 +414,7 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         raise JobError(f"{source}: " + "; ".join(r.problems))
     return JobSpec(name=name, namespace=namespace, model=model, model_ref=model_ref,
                    min_workers=min_w, max_workers=max_w, workers=workers, mode=mode,
+                   min_efficiency=min_eff or 0.0,
                    layout=layout, global_batch_size=gbs, training=training,
                    gpus_per_worker=gpus, agent_port=port, auth_secret=secret,
                    issuer_ref=issuer_ref,

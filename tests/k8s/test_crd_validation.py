@@ -166,6 +166,8 @@ INVALID = [
          "spec.parallelism.limits.maxTP", True),
     Case("limits-zero-stage-2", setting("spec.parallelism.limits.zeroStages", [1, 2]),
          "spec.parallelism.limits.zeroStages[1]", True),
+    Case("min-efficiency-one", setting("spec.elastic.minEfficiency", 1.0),
+         "spec.elastic.minEfficiency", True),
     Case("rebalance-threshold-one", setting("spec.parallelism.rebalance.threshold", 1.0),
          "spec.parallelism.rebalance.threshold", True),
     Case("rebalance-payback-zero", setting("spec.parallelism.rebalance.paybackSteps", 0),
@@ -565,7 +567,8 @@ IMMUTABLE = [
 # Edits a running job may make: the operator applies them live. Each is accepted, and the
 # stored spec shows it.
 MUTABLE = {
-    "elastic": {"elastic": {"minWorkers": 1, "maxWorkers": 16, "workers": 12}},
+    "elastic": {"elastic": {"minWorkers": 1, "maxWorkers": 16, "workers": 12,
+                            "minEfficiency": 0.3}},
     "elastic-workers-remove": {"elastic": {"workers": None}},
     "parallelism-layout": {"parallelism": {"layout": "dp=4,tp=2"}},
     "parallelism-limits": {"parallelism": {"limits": {"maxTP": 2, "zeroStages": [0, 1, 3]}}},
