@@ -104,6 +104,15 @@ def _free_subnet(pool: ipaddress.IPv4Network, prefix: int = 24) -> ipaddress.IPv
     raise DevClusterError(f"no free /{prefix} left in {pool} for a real node's bridge")
 
 
+def _suffix(workdir: Path) -> str:
+    return hashlib.sha256(str(workdir).encode()).hexdigest()[:6]
+
+
+def bridge_name(workdir: Path) -> str:
+    """The bridge of the real node whose work directory is ``workdir`` (``dt`` + 6 hex)."""
+    return f"dt{_suffix(workdir)}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class RealNodeConfig:
     """A kubelet-run node: its name, labels, taints and pod network."""
@@ -135,8 +144,8 @@ class RealNode:
         self._start_component = start_component
         self._log = log
         self._repo_root = repo_root
-        self._suffix = hashlib.sha256(str(workdir).encode()).hexdigest()[:6]
-        self.bridge = f"dt{self._suffix}"
+        self._suffix = _suffix(workdir)
+        self.bridge = bridge_name(workdir)
         self.cgroup_root = f"/dynatrain-{self._suffix}"
         self.subnet: ipaddress.IPv4Network | None = None
         self.node_ip: str | None = None
@@ -163,6 +172,15 @@ class RealNode:
     def _make_bridge(self) -> None:
         # The bridge exists before the first pod (the CNI plugin adopts it), so that the node
         # IP, which the kubelet needs at start, is on it and the host can bind it at once.
+        # Its name comes from the work directory's path: one of that name now is a leftover
+        # of an earlier run killed in a directory of the same path (no live run shares it),
+        # and it goes first, with its subnet.
+        if subprocess.run(["ip", "link", "show", self.bridge],
+                          capture_output=True).returncode == 0:
+            self._log(f"[devcluster] real node {self.config.name}: removing bridge "
+                      f"{self.bridge}, left by an earlier run in {self.workdir}")
+            check_output(["ip", "link", "delete", self.bridge], timeout=60,
+                         what="removing a stale bridge")
         self.subnet = _free_subnet(ipaddress.IPv4Network(self.config.bridge_pool))
         self.node_ip = str(self.subnet[1])
         check_output(["ip", "link", "add", self.bridge, "type", "bridge"], timeout=60,

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
 
 import pytest
 import yaml
 from kubernetes import client
 
 from dynatrain.devcluster import ClusterConfig, DevCluster
-from dynatrain.devcluster.kubelet import REAL_NODE_LABEL, RealNodeConfig, preflight
+from dynatrain.devcluster.kubelet import (REAL_NODE_LABEL, RealNodeConfig, bridge_name,
+                                          preflight)
 from harness.operator_process import Operator, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -39,8 +41,13 @@ def real_cluster(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
-    config = ClusterConfig(pools=(), real_nodes=(RealNodeConfig(name=NODE),),
-                           workdir=tmp_path_factory.mktemp("realcluster"))
+    workdir = tmp_path_factory.mktemp("realcluster")
+    # A bridge left by an earlier run killed in a work directory of the same path (a bridge's
+    # name comes from it): the node removes it and starts. Before, it stopped with "RTNETLINK
+    # answers: File exists" (a CI run here, after /tmp/pytest-of-root was emptied).
+    subprocess.run(["ip", "link", "add", bridge_name(workdir / "nodes" / NODE), "type",
+                    "bridge"], capture_output=True)      # (or it is there already)
+    config = ClusterConfig(pools=(), real_nodes=(RealNodeConfig(name=NODE),), workdir=workdir)
     with DevCluster(config) as cluster:
         yield cluster
 
@@ -58,8 +65,6 @@ def real_namespace(real_cluster):
 
 
 def _kubectl(cluster, *args: str) -> str:
-    import subprocess
-
     from dynatrain.devcluster.build import ensure_built
 
     out = subprocess.run([str(ensure_built().path("kubectl")), "--kubeconfig",
