@@ -186,6 +186,7 @@ def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
     # the last step every live member has reported; a newcomer counts from its switch's step.
     from types import SimpleNamespace
 
+    from dynatrain.agent.v1 import agent_pb2 as pb
     from dynatrain.controller.core import JobController
     from dynatrain.spec.hardware import PROFILES
     from dynatrain.spec.job import load_job
@@ -197,10 +198,11 @@ def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
     ctl.layout = parse_layout("dp=4").with_devices((0, 1, 2, 3))
 
     def report(device, steps):
-        recs = [SimpleNamespace(step=k, loss=1.0, seconds=0.1, tokens_per_second=1.0,
-                                generation=1, end_time=0.0,
-                                sample_begin=(k - 1) * gbs + device * per_rank,
-                                sample_end=(k - 1) * gbs + (device + 1) * per_rank)
+        # The agent's own message (a stand-in would miss fields the controller reads).
+        recs = [pb.StepRecord(step=k, loss=1.0, seconds=0.1, tokens_per_second=1.0,
+                              generation=1, end_time=0.0,
+                              sample_begin=(k - 1) * gbs + device * per_rank,
+                              sample_end=(k - 1) * gbs + (device + 1) * per_rank)
                 for k in steps]
         ctl._ingest(device, SimpleNamespace(steps=recs))
 
