@@ -40,7 +40,7 @@ from .adopt import adopt as _adopt
 from .errors import JobFailed, SuspendFailed, layout_text as _text
 from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
 from .costmodel import SolverError, estimate
-from .policy import Policy, seq_len_of
+from .policy import Policy, estimate_kwargs
 from .progress import Progress
 
 State = pb.StatusResponse.State
@@ -366,14 +366,9 @@ class JobController:
     def _predict(self, layout: Layout) -> float:
         """The cost model's step seconds for ``layout`` on the job's profile (0: it has none,
         e.g. a layout the model cannot price)."""
-        job = self.job
         try:
-            return estimate(job.model, layout, self.profile,
-                            global_batch_size=job.global_batch_size,
-                            micro_batch_size=job.training.micro_batch_size,
-                            seq_len=seq_len_of(job),
-                            activation_checkpointing=job.training.activation_checkpointing
-                            ).step_seconds
+            return estimate(self.job.model, layout, self.profile,
+                            **estimate_kwargs(self.job)).step_seconds
         except SolverError:
             return 0.0
 

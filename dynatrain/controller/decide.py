@@ -36,7 +36,7 @@ from .costmodel import SolverError, estimate
 from .measured import Measurement
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
-from .policy import Decision, Policy, seq_len_of
+from .policy import Decision, Policy, estimate_kwargs
 
 VOLUNTARY = ("scale-up", "better-layout", "rebalance")
 """Switch reasons the policy may choose or not (a cooldown applies; a request supersedes)."""
@@ -175,12 +175,8 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     if decision is None:
         target = rebalance(v, job, policy) if v.request is None else None
         if target is not None:
-            kw = dict(global_batch_size=job.global_batch_size,
-                      micro_batch_size=job.training.micro_batch_size,
-                      seq_len=seq_len_of(job),
-                      activation_checkpointing=job.training.activation_checkpointing)
-            return Switch(Decision(target, "rebalance", estimate(job.model, target, profile,
-                                                                 **kw)))
+            return Switch(Decision(target, "rebalance", estimate(
+                job.model, target, profile, **estimate_kwargs(job))))
         return Idle(answer=answer)
     return Switch(decision, answer)
 

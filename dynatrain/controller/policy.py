@@ -75,10 +75,7 @@ class Policy:
         wanted = job.workers or job.max_workers
         efficient = self.efficient_workers(job, profile, wanted)
         cap = min(len(usable), efficient)
-        kw = dict(global_batch_size=job.global_batch_size,
-                  micro_batch_size=job.training.micro_batch_size,
-                  seq_len=seq_len_of(job),
-                  activation_checkpointing=job.training.activation_checkpointing)
+        kw = estimate_kwargs(job)
         lim = dict(zero_stages=job.limits.zero_stages, allow=job.limits.allow)
         if current is None or doomed & set(current.device_of):
             reason = "start" if current is None else "preemption"
@@ -164,19 +161,14 @@ class Policy:
                 f"{job.min_efficiency:g} (estimated {shown})")
 
     def _efficiency(self, job: JobSpec, profile: DeviceProfile, cap: int):
-        key = (job.model.name, job.model.num_layers, job.global_batch_size,
-               job.training.micro_batch_size, seq_len_of(job), job.limits, job.min_workers,
-               job.min_efficiency, profile, cap)
+        kw = estimate_kwargs(job)
+        key = (job.model, kw, job.limits, job.min_workers, job.min_efficiency, profile, cap)
         if self._efficiency_cache.get("key") != key:
-            kw = dict(global_batch_size=job.global_batch_size,
-                      micro_batch_size=job.training.micro_batch_size,
-                      seq_len=seq_len_of(job),
-                      activation_checkpointing=job.training.activation_checkpointing,
-                      zero_stages=job.limits.zero_stages, allow=job.limits.allow)
             figures, keep = [], None
             for n in range(max(1, job.min_workers), cap + 1):
                 try:
-                    t = solve(job.model, n, profile, **kw).tokens_per_second
+                    t = solve(job.model, n, profile, **kw, zero_stages=job.limits.zero_stages,
+                              allow=job.limits.allow).tokens_per_second
                 except SolverError:
                     continue                      # no layout uses exactly n devices
                 if keep is not None:
@@ -234,3 +226,11 @@ class Policy:
 def seq_len_of(job: JobSpec) -> int:
     """The tokens per sequence the job trains with (its own, else the default of its config)."""
     return job.training.seq_len or min(job.model.max_seq_len, 128)
+
+
+def estimate_kwargs(job: JobSpec) -> dict:
+    """What the cost model and the solver price one of ``job``'s layouts with, beside the
+    model and the profile (the batch, the sequence, activation checkpointing)."""
+    return dict(global_batch_size=job.global_batch_size,
+                micro_batch_size=job.training.micro_batch_size, seq_len=seq_len_of(job),
+                activation_checkpointing=job.training.activation_checkpointing)
