@@ -35,10 +35,11 @@ from . import cluster as k
 from . import pki
 from . import guard, netpol
 from .informer import ClusterView
+from .sharing import Board, Priorities
 from .runtime import GROUP, PLURAL, VERSION, JobRuntime, Settings, seconds_to_expiry
 from .telemetry import CountingApiClient, OperatorMetrics
 
-_state = {"jobs": None, "api": None, "view": None, "operator_metrics": None}
+_state = {"jobs": None, "api": None, "view": None, "operator_metrics": None, "sharing": None}
 _lock = threading.RLock()
 USER_AGENT = "dynatrain-operator"
 MAX_JOBS = int(os.environ.get("DYNATRAIN_MAX_JOBS", "1024"))
@@ -94,6 +95,15 @@ def _view() -> ClusterView:
             _state["view"] = view
     _state["view"].wait_synced(60)
     return _state["view"]
+
+
+def _sharing() -> tuple[Board, Priorities]:
+    """The one board every job's share of its pool is divided on (:mod:`.sharing`)."""
+    with _lock:
+        if _state["sharing"] is None:
+            _state["sharing"] = (Board(), Priorities(
+                _api(), log=logging.getLogger("dynatrain.sharing").info))
+        return _state["sharing"]
 
 
 def _operator_metrics() -> OperatorMetrics:
@@ -190,10 +200,12 @@ def run_job(body, name, namespace, uid, stopped, logger, **_) -> None:
     view = _view()
     config = settings()
     metrics = _jobs().add(Metrics(namespace=namespace, job=name, reasons=REASONS), uid)
+    board, priorities = _sharing()
     runtime = JobRuntime(dict(body), api=_api(), view=view,
                          rendezvous_host=os.environ.get("DYNATRAIN_RENDEZVOUS_HOST")
                          or os.environ.get("POD_IP") or "127.0.0.1",
-                         metrics=metrics, log=logger.info, settings=config)
+                         metrics=metrics, log=logger.info, settings=config,
+                         board=board, priorities=priorities)
     since = 0
     # Bound once: after forget_job, a pass still running records into a series nobody sees,
     # and does not bring it back.

@@ -141,12 +141,23 @@ class WorkerPods(Room):
         self._event("Warning", "WorkerReplaced", text)
         self.log(f"job {self.name}: {text}")
 
-    def scale(self, workers, nodes) -> None:
+    def wanted(self) -> int:
+        """The worker pods the job wants: its maxWorkers (or ``kubectl scale``'s count), those
+        that pay off under spec.elastic.minEfficiency (the policy's count), at most the
+        operator's --max-pods-per-job."""
+        c = self.controller
+        target = c.policy.efficient_workers(self.job, c.profile,
+                                            self.job.workers or self.job.max_workers)
+        return min(target, self.settings.max_pods_per_job)
+
+    def scale(self, workers, nodes, share=None) -> None:
         """Create the worker pods the job could use, up to its target and the per-job cap; the
         scheduler places them. A pod it cannot place stays Pending: the job's unmet demand,
         which a cluster autoscaler sees, while the job trains on the pods that run (and grows
         live when the others do). Capacity is never counted here: the scheduler knows the
-        taints, selectors, affinity and priorities, and says why a pod waits."""
+        taints, selectors, affinity and priorities, and says why a pod waits. While the job's
+        pool is shared with a job waiting below its share (``share``, :mod:`.sharing`), the
+        target is the job's share: pods over it are deleted, unplaced ones first."""
         gen, s = self._generation(), self.settings
         refused = guard.check_image(self.job.image, s.allowed_images)
         if refused:        # before any pod: the job waits (an admin may widen the list)
@@ -155,11 +166,10 @@ class WorkerPods(Room):
             return
         self.conditions.set("ImageAllowed", True, "Allowed", "any image" if not
                             s.allowed_images else "matches --allowed-images", gen)
-        # spec.elastic.minEfficiency: only the workers that pay off (the policy's count).
         c = self.controller
         target = c.policy.efficient_workers(self.job, c.profile,
                                             self.job.workers or self.job.max_workers)
-        want = min(target, s.max_pods_per_job)
+        want = self.wanted() if share is None else share.cap(self.wanted())
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
         if len(alive) > want:
             self._shed(alive, len(alive) - want)
@@ -230,10 +240,10 @@ class WorkerPods(Room):
         the switch is done (:meth:`~.runtime.JobRuntime._switched`)."""
         c = self.controller
         idle = sorted((w for w in alive if w.device not in c.members),
-                      key=lambda w: -w.device)
+                      key=lambda w: (bool(w.node), -w.device))     # unplaced ones first
         for w in idle[:surplus]:
             self.log(f"worker {w.device}: pod {w.name} deleted: the job wants "
-                     f"{self.job.workers} workers")
+                     f"{len(alive) - surplus} workers")
             self.left.add(w.device)
             if w.device in c.clients:
                 c.remove_device(w.device)

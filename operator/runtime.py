@@ -79,6 +79,7 @@ from .basics import now as _now
 from .jobtls import JobTls
 from .objects import JobObjects
 from .pods import WorkerPods
+from .sharing import Board, JobShare, Priorities
 from .status import (AUDIT_EVERY_S, GROUP, PLURAL, TERMINAL, VERSION, Conditions, Report,
                      seconds_to_expiry)
 
@@ -138,7 +139,8 @@ class JobRuntime:
 
     def __init__(self, body: dict, *, api: client.ApiClient, view, rendezvous_host: str,
                  metrics: Metrics, log, settings: Settings = Settings(),
-                 policy: Policy | None = None, timeouts: Timeouts = Timeouts()):
+                 policy: Policy | None = None, timeouts: Timeouts = Timeouts(),
+                 board: Board | None = None, priorities: Priorities | None = None):
         meta = body["metadata"]
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.core = client.CoreV1Api(api)
@@ -191,6 +193,8 @@ class JobRuntime:
             worker_uids=set((body.get("status") or {}).get("workerUIDs") or []))
         self.jobtls = JobTls(ctx, cert_manager=self.custom, token=lambda: self.objects.token,
                              ensure=self.objects.ensure_one)
+        self.share = JobShare(ctx, board=board, priorities=priorities) if board else None
+        """The job's share of a pool shared with other jobs (None: the job is alone)."""
 
     # -- the pass --------------------------------------------------------------------------------
     def reconcile(self, body: dict) -> float | None:
@@ -316,11 +320,14 @@ class JobRuntime:
     def _tick(self) -> None:
         nodes, workers = self._observe()
         if self._suspended():
+            self._unclaim()
             return
         self._take_in(workers)
-        if not self.over:
-            self.pods.scale(workers, nodes)
         c = self.controller
+        c.share = self.share.update(workers, self.pods) if self.share and not self.over \
+            else None
+        if not self.over:
+            self.pods.scale(workers, nodes, c.share)
         # Where each worker runs (a pod never moves): the workers put each rank's mirror on
         # another node, so that losing a node loses no state that is not also elsewhere.
         c.device_nodes.update({w.device: w.node for w in workers.values() if w.node})
@@ -346,6 +353,7 @@ class JobRuntime:
                                 f"trained {c.progress.step} steps", self._generation())
             self._event("Normal", "Succeeded", f"trained {c.progress.step} steps")
             self.pods.delete_all_pods("the job succeeded")
+            self._unclaim()                  # its GPUs are the others' at once
         else:
             self.phase = "Running"
 
@@ -460,6 +468,10 @@ class JobRuntime:
                 self._event("Warning", "WorkerLost", f"worker {d} failed: "
                             f"{c.lost_why.get(d, 'unknown')}; the job recovers without it")
 
+    def _unclaim(self) -> None:
+        if self.share is not None:
+            self.share.drop()
+
     def _price(self, workers, nodes) -> None:
         """A GPU job's device profile, from the nodes its workers are placed on (the
         ``Hardware`` condition), for the solver's next decision."""
@@ -523,7 +535,8 @@ class JobRuntime:
                 self.pods.left.add(d)
                 self.pods.delete_pod(w.name)
                 continue
-            switched_off = w.doomed or (r.reason in ("scale-down", "release") and r.from_layout)
+            switched_off = w.doomed or (r.reason in ("scale-down", "release", "rebalance")
+                                         and r.from_layout)
             if d not in c.members and d in c.clients and switched_off:   # free its pod
                 self.pods.left.add(d)
                 c.remove_device(d)
@@ -592,6 +605,7 @@ class JobRuntime:
         self.report.event(kind, reason, message)
 
     def close(self) -> None:
+        self._unclaim()
         if self.controller is not None:
             for cl in self.controller.clients.values():
                 cl.close()

@@ -42,6 +42,7 @@ from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
 from .costmodel import SolverError, estimate
 from .policy import Policy, estimate_kwargs
 from .progress import Progress
+from .share import Share
 
 State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3
@@ -90,6 +91,9 @@ class JobController:
         self.switches: list[SwitchRecord] = []
         self.progress = Progress()
         self._seen: dict[int, int] = {}
+        self.share: Share | None = None
+        """This job's share of a pool shared with other jobs (:mod:`.share`), where the front
+        end divides one (the operator); None: nothing bounds it but its own spec."""
         self.device_nodes: dict[int, str] = {}
         """device -> the node it runs on, where the front end knows it (a cluster's pods'
         ``spec.nodeName``): a rank's mirror goes to another node. A device never moves."""
@@ -384,7 +388,9 @@ class JobController:
             recover_in_memory=self.recover_in_memory,
             request=decide.Request(req.layout) if req is not None else None,
             measurement=self.measurements.get(self.generation_running),
-            switch_cost_s=self._last_pause_s)
+            switch_cost_s=self._last_pause_s,
+            share=self.share.workers if self.share is not None and self.share.contended
+            else None)
 
     def _refuse(self, req: LayoutRequest, why: str) -> None:
         self._answer(req, "refused", why)

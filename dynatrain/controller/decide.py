@@ -81,6 +81,9 @@ class View:
     """The running generation's measured step (:mod:`.measured`), once it has one."""
     switch_cost_s: float = 1.0
     """What a switch costs the job in seconds of training (the last one's pause)."""
+    share: int | None = None
+    """The most workers the job may hold while its pool is contended (:mod:`.share`), or
+    None when it binds nothing."""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -162,7 +165,8 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     if suspects and not must_leave:
         return Idle(f"devices {suspects} missed Status: the watchdog decides about them first")
     try:
-        decision = policy.decide(job, profile, v.layout, list(v.usable), set(v.doomed), v.step)
+        decision = policy.decide(job, profile, v.layout, list(v.usable), set(v.doomed), v.step,
+                                 share=v.share)
     except SolverError as e:
         if v.layout is None or must_leave:
             return GiveUp(f"no layout fits the devices left: {e}")

@@ -65,16 +65,24 @@ class Policy:
     _efficiency_cache: dict = field(default_factory=dict, repr=False)
 
     def decide(self, job: JobSpec, profile: DeviceProfile, current: Layout | None,
-               usable: list[int], doomed: set[int], step: int) -> Decision | None:
+               usable: list[int], doomed: set[int], step: int,
+               share: int | None = None) -> Decision | None:
         """The switch to make now, if any.
 
         ``usable``: devices that are up and not doomed; ``doomed``: devices with a notice (or
-        gone) that the running layout must leave.
+        gone) that the running layout must leave; ``share``: the most workers the job may
+        hold while its pool is shared with waiting jobs (:mod:`.share`; None: no bound).
         """
         usable = sorted(usable)
+        if share is not None and share < job.min_workers:
+            if current is None:
+                return None     # its minimum is not its share: it waits, holding nothing
+            # A running job cannot go under its minimum live; a higher-priority job takes
+            # those GPUs through the scheduler's preemption (notices), not by a share.
+            share = None
         wanted = job.workers or job.max_workers
         efficient = self.efficient_workers(job, profile, wanted)
-        cap = min(len(usable), efficient)
+        cap = min(len(usable), efficient, len(usable) if share is None else share)
         kw = estimate_kwargs(job)
         lim = dict(zero_stages=job.limits.zero_stages, allow=job.limits.allow)
         if current is None or doomed & set(current.device_of):
@@ -95,6 +103,11 @@ class Policy:
             # Fewer workers wanted (``kubectl scale`` down): at once, as a request is.
             best = self._best(job, profile, cap, kw)
             return self._shrink(job, current, usable, best)
+        if job.mode != "fixed" and share is not None and current.world > share:
+            # Over its share of a pool another job waits in: the workers over it go, at once
+            # (their pods are deleted, so the waiting job's pods take the GPUs).
+            best = self._best(job, profile, cap, kw)
+            return self._shrink(job, current, usable, best, "rebalance")
         if job.mode != "fixed" and current.world > efficient:
             # Workers that add less than spec.elastic.minEfficiency: released, at once.
             best = self._best(job, profile, cap, kw)

@@ -1,0 +1,169 @@
+"""Several jobs on one pool (#35): they share it by the documented rule (controller/share.py),
+nobody waits for ever, and a job that arrives takes its minimum back from jobs above their
+share by a live shrink (reason ``rebalance``), never a restart.
+
+The pool is three simulated nodes of this test's own (tainted, labelled), two GPUs each, so
+6 GPUs; every job is elastic between 2 and 4 workers of one GPU. The real kube-scheduler
+places the pods; the operator only reads where they run and which ones wait.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+
+from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
+from harness.operator_process import apply, condition, events, get, job, job_pods, wait
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+
+def _pool(index: int, pool: str) -> NodePool:
+    return NodePool(count=1, gpus_per_node=2, name_prefix="share", first_index=index,
+                    labels={"dynatrain.io/test-pool": pool},
+                    taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
+
+
+def _elastic(name: str, pool: str) -> dict:
+    doc = job(name, gpus=1, max_workers=4)
+    doc["spec"]["elastic"]["minWorkers"] = 2
+    doc["spec"]["template"] = {"spec": {
+        "nodeSelector": {"dynatrain.io/test-pool": pool},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                         "effect": "NoSchedule"}]}}
+    return doc
+
+
+def test_equal_jobs_share_the_pool_and_a_third_takes_its_minimum_by_live_shrinks(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    pool = namespace
+    nodes = []
+    names = ("first", "second", "third")
+    try:
+        for i in range(3):
+            nodes += add_nodes(core, _pool(i, pool))
+        for name in names[:2]:
+            apply(kubectl, namespace, tmp_path, _elastic(name, pool))
+
+        def settled(share: dict):
+            def check():
+                sts = {n: get(custom, namespace, n).get("status", {}) for n in share}
+                ok = all(st.get("phase") == "Running" and st.get("workers") == share[n]
+                         for n, st in sts.items())
+                return sts if ok else None
+            return check
+        # Two equal jobs on 6 GPUs: both run, 3 each (whoever the scheduler placed first).
+        sts = wait("both jobs on 3 workers each", settled({"first": 3, "second": 3}),
+                   timeout=300)
+        for name in names[:2]:
+            placed = [p for p in job_pods(core, namespace, name) if p.spec.node_name]
+            assert len(placed) == 3, [(p.metadata.name, p.spec.node_name) for p in placed]
+            cond = condition(custom, namespace, name, "Share")
+            assert cond is not None and "of the 6 GPUs its pool's 2 jobs hold" in \
+                cond["message"], cond
+        # A job that got 4 first gave one back live; the other grew into it.
+        for name, st in sts.items():
+            if st.get("lastSwitch"):
+                assert st["lastSwitch"]["reason"] in ("rebalance", "scale-up"), st
+                assert st["lastSwitch"]["result"] == "success", st
+
+        # A third job arrives: the first two shrink live to their minimum to let it start.
+        apply(kubectl, namespace, tmp_path, _elastic("third", pool))
+        sts = wait("2 workers each for three jobs", settled(
+            {"first": 2, "second": 2, "third": 2}), timeout=300)
+        for name in names[:2]:
+            last = sts[name]["lastSwitch"]
+            assert (last["reason"], last["result"]) == ("rebalance", "success"), last
+            assert last["from"] != last["to"] and last["pauseSeconds"] > 0, last
+            reasons = [e.reason for e in events(core, namespace, name)]
+            assert "OverShare" in reasons, reasons
+            assert "WorkerLost" not in reasons and "Recovered" not in reasons, reasons
+        assert sum(1 for n in names for p in job_pods(core, namespace, n)
+                   if p.spec.node_name and p.metadata.deletion_timestamp is None) == 6
+
+        # Live, not restarted: the shrunk jobs read their data exactly once past the shrink.
+        def audited(name, step):
+            def check():
+                data = get(custom, namespace, name).get("status", {}).get("data", {})
+                return data if data.get("auditedStep", 0) > step + 2 else None
+            return check
+        for name in names[:2]:
+            data = wait(f"{name}'s data audit past the shrink",
+                        audited(name, sts[name]["lastSwitch"]["step"]), timeout=120)
+            assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
+
+        # The third ends: the others grow back into its GPUs.
+        kubectl("delete", "dynatrainjob", "third", "-n", namespace, "--wait=false")
+        wait("the first two back on 3 workers each", settled({"first": 3, "second": 3}),
+             timeout=300)
+    finally:
+        for name in names:
+            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
+                    check=False)
+        for name in names:
+            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
+                 timeout=90)
+        for n in nodes:
+            delete_node(core, n)
+
+
+def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_ends(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    sched = client.SchedulingV1Api(devcluster.api_client())
+    pool = namespace
+    low_cls, high_cls = f"{namespace}-low", f"{namespace}-high"
+    for cls, value in ((low_cls, 100), (high_cls, 100000)):
+        sched.create_priority_class(client.V1PriorityClass(
+            metadata=client.V1ObjectMeta(name=cls), value=value))
+    nodes = []
+    try:
+        for i in range(2):                                 # 4 GPUs
+            nodes += add_nodes(core, _pool(10 + i, pool))
+        low = _elastic("low", pool)
+        low["spec"]["template"]["spec"]["priorityClassName"] = low_cls
+        apply(kubectl, namespace, tmp_path, low)
+
+        def on(name, workers):
+            def check():
+                st = get(custom, namespace, name).get("status", {})
+                return st if st.get("phase") == "Running" and st.get("workers") == workers \
+                    else None
+            return check
+        wait("the low-priority job on all 4 GPUs", on("low", 4), timeout=240)
+
+        high = _elastic("high", pool)
+        high["spec"]["elastic"]["maxWorkers"] = 2
+        high["spec"]["template"]["spec"]["priorityClassName"] = high_cls
+        apply(kubectl, namespace, tmp_path, high)
+        wait("the high-priority job on 2 workers", on("high", 2), timeout=240)
+        st = wait("the low-priority job shrunk live to 2", on("low", 2), timeout=120)
+        shrink = st["lastSwitch"]
+        # The scheduler's preemption (a notice) or the share (the high job waits) came first:
+        # either way a live switch, not a failure.
+        assert shrink["reason"] in ("preemption", "rebalance") and \
+            shrink["result"] == "success", shrink
+        reasons = [e.reason for e in events(core, namespace, "low")]
+        assert "WorkerLost" not in reasons and "Recovered" not in reasons, reasons
+
+        kubectl("delete", "dynatrainjob", "high", "-n", namespace, "--wait=false")
+        st = wait("the low-priority job grown back to 4", on("low", 4), timeout=240)
+        assert st["lastSwitch"]["reason"] == "scale-up", st["lastSwitch"]
+
+        def audited():
+            data = get(custom, namespace, "low").get("status", {}).get("data", {})
+            return data if data.get("auditedStep", 0) > st["lastSwitch"]["step"] + 2 else None
+        data = wait("the data audit past the regrowth", audited, timeout=120)
+        assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
+    finally:
+        for name in ("low", "high"):
+            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
+                    check=False)
+        for name in ("low", "high"):
+            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
+                 timeout=90)
+        for n in nodes:
+            delete_node(core, n)
+        for cls in (low_cls, high_cls):
+            sched.delete_priority_class(cls)
