@@ -65,6 +65,7 @@ test: setup go-tools operator-env
 go-tools: setup
 	@$(PHASE) "setup: control plane from tools/k8s" $(BIN)/dynatrain dev cluster --build-only
 	@$(PHASE) "setup: helm from tools/helm" $(BIN)/dynatrain chart build-helm
+	@$(PHASE) "setup: kueue from tools/kueue" $(BIN)/dynatrain dev cluster --kueue --build-only
 
 # A few minutes, for CI: small live switches (bit-exact against DCP, losses equal to a
 # restart's) and the plan-quality suite; a correctness failure fails, timings are printed only.

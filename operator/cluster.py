@@ -29,6 +29,12 @@ import yaml
 from kubernetes.utils import parse_quantity
 
 GPU = "nvidia.com/gpu"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's label naming the LocalQueue that admits a pod (``spec.queueName``)."""
+KUEUE_GATE = "kueue.x-k8s.io/admission"
+"""The scheduling gate Kueue's pod webhook puts on a queued pod until it is admitted."""
+KUEUE_STOP_CONDITION = "TerminationTarget"
+"""The pod condition Kueue sets (reason, message) before it deletes a pod it evicts."""
 JOB_LABEL = "dynatrain.io/job"
 DEVICE_LABEL = "dynatrain.io/device"
 METRICS_PORT = 9400
@@ -119,11 +125,13 @@ class WorkerPod:
     """Why the pod will never serve (failed, exited, cannot start its container); "" if
     it may still."""
     uid: str = ""
+    """The pod's UID: the operator trusts only pods whose UID it got from its own create
+    call (``status.workerUIDs``)."""
     unschedulable: str = ""
     """The scheduler's message while it cannot place the pod (``PodScheduled=False``,
     reason ``Unschedulable``): why the job's demand is unmet."""
-    """The pod's UID: the operator trusts only pods whose UID it got from its own create
-    call (``status.workerUIDs``)."""
+    queued: bool = False
+    """Kueue holds it (its admission scheduling gate) until the queue's quota admits it."""
 
 
 def read_node(node) -> NodeInfo:
@@ -213,6 +221,11 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
     for c in (pod.status.conditions or []) if pod.status else []:
         if c.type == "DisruptionTarget" and c.status == "True":
             doomed, why = True, why or f"DisruptionTarget ({c.reason})"
+        if c.type == KUEUE_STOP_CONDITION and c.status == "True":
+            # Kueue evicts (a preemption, a reclaim): it says why before it deletes the pod.
+            doomed = True
+            why = f"Kueue: {c.reason}: {c.message}" if not why or why == "pod deleted" \
+                else why
     node = nodes.get(pod.spec.node_name) if pod.spec.node_name else None
     unhealthy = unhealthy_reason(pod)
     if node is not None and node.doomed:
@@ -222,7 +235,8 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
     return WorkerPod(meta.name, int(meta.labels[DEVICE_LABEL]), pod.spec.node_name,
                      pod.status.pod_ip if pod.status else None,
                      (pod.status.phase if pod.status else None) or "Pending", doomed, deadline,
-                     why, pod_gpus(pod), unhealthy, meta.uid or "", unschedulable(pod))
+                     why, pod_gpus(pod), unhealthy, meta.uid or "", unschedulable(pod),
+                     queued=any(g.name == KUEUE_GATE for g in pod.spec.scheduling_gates or []))
 
 
 def unschedulable(pod) -> str:
@@ -231,7 +245,7 @@ def unschedulable(pod) -> str:
     if pod.spec.node_name or not pod.status:
         return ""
     for c in pod.status.conditions or []:
-        if c.type == "PodScheduled" and c.status == "False":
+        if c.type == "PodScheduled" and c.status == "False" and c.reason != "SchedulingGated":
             return c.message or c.reason or "not scheduled"
     return ""
 
@@ -409,7 +423,10 @@ def worker_pod(body, device: int, *, secret: str, agent_port: int,
             "automountServiceAccountToken": False,
         },
     }
-    return with_template(pod, spec.get("template") or {})
+    pod = with_template(pod, spec.get("template") or {})
+    if spec.get("queueName"):          # Kueue admits the pod against the queue's quota
+        pod["metadata"]["labels"][KUEUE_QUEUE_LABEL] = spec["queueName"]
+    return pod
 
 
 def with_template(pod: dict, template: dict) -> dict:

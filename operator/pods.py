@@ -174,6 +174,7 @@ class WorkerPods(Room):
         if len(alive) > want:
             self._shed(alive, len(alive) - want)
         self._report_unscheduled(alive, gen)
+        self._report_queued(alive, gen)
         if self.expected or len(alive) >= want:
             return
         if self.replacing.waiting or self.creation.waiting:
@@ -232,6 +233,26 @@ class WorkerPods(Room):
         self.conditions.set("Schedulable", False, "Unschedulable", text, gen)
         if not was or was["status"] == "True":      # one Event when pods start to wait
             self._event("Warning", "Unschedulable", text)
+
+    def _report_queued(self, alive, gen: int) -> None:
+        """The ``Admitted`` condition of a job with ``spec.queueName``: False while Kueue holds
+        some of its worker pods for quota (its scheduling gate), with an Event when they start
+        to wait; True once it has admitted them all."""
+        queue = self.body["spec"].get("queueName")
+        if not queue:
+            return
+        waiting = [w for w in alive if w.queued]
+        if not waiting:
+            if alive:
+                self.conditions.set("Admitted", True, "Admitted", f"Kueue admitted every "
+                                    f"worker pod (LocalQueue {queue})", gen)
+            return
+        text = (f"{len(waiting)} of {len(alive)} worker pods wait for Kueue to admit them "
+                f"(LocalQueue {queue}: quota); the job trains on the others")
+        was = self.conditions.get("Admitted")
+        self.conditions.set("Admitted", False, "QuotaWait", text, gen)
+        if not was or was["status"] == "True":
+            self._event("Normal", "QuotaWait", text)
 
     def _shed(self, alive, surplus: int) -> None:
         """More worker pods than wanted (``kubectl scale`` down): delete pods that hold no

@@ -324,8 +324,13 @@ class JobRuntime:
             return
         self._take_in(workers)
         c = self.controller
+        # A job in a Kueue queue is Kueue's to share (quota, cohorts, preemption): the
+        # operator's own rule leaves it alone.
+        queued = bool(self.body["spec"].get("queueName"))
         c.share = self.share.update(workers, self.pods) if self.share and not self.over \
-            else None
+            and not queued else None
+        if queued:
+            self._unclaim()
         if not self.over:
             self.pods.scale(workers, nodes, c.share)
         # Where each worker runs (a pod never moves): the workers put each rank's mirror on

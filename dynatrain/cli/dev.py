@@ -42,6 +42,7 @@ examples:
   KUBECONFIG=/tmp/dev.kubeconfig kubectl get nodes
   dynatrain dev cluster --run-pods --gpu-pods-on-cpu --nodes 2 --kubeconfig /tmp/dev.kubeconfig
   dynatrain dev cluster --real-node --nodes 0 --kubeconfig /tmp/dev.kubeconfig
+  dynatrain dev cluster --kueue --run-pods --gpu-pods-on-cpu --kubeconfig /tmp/dev.kubeconfig
   dynatrain dev cluster --build-only      # build/cache the binaries (CI warm-up)
 """
 
@@ -98,6 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "tools/install-debs.sh containerd runc containernetworking-plugins "
                         "debootstrap); its pods run in containers of image "
                         "localhost/dynatrain:dev")
+    p.add_argument("--kueue", action="store_true",
+                   help="also run Kueue (built from the sigs.k8s.io/kueue Go module pinned in "
+                        "tools/kueue; root): its CRDs, webhooks and manager, with the plain-pod "
+                        "integration; with --build-only, also build it")
     p.add_argument("--build-only", action="store_true",
                    help="only build and cache the binaries, then exit")
     p.set_defaults(func=run)
@@ -127,6 +132,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.build_only:
         versions = ", ".join(f"{m} {v}" for m, v in pinned_versions(default_toolchain()).items())
         print(f"binaries ({', '.join(BINARIES)}) for {versions} are in {binaries.bin_dir}")
+        if args.kueue:
+            from dynatrain.devcluster.kueue import ensure_kueue, source_dir
+
+            path = ensure_kueue()
+            print(f"kueue ({source_dir().name}) is {path}")
         return 0
 
     if args.nodes < 0 or (args.nodes == 0 and not args.real_node):
@@ -138,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
                         memory=args.memory, instance_type=args.instance_type,
                         taints=tuple(args.taint)),) if args.nodes else (),
         real_nodes=(RealNodeConfig(),) if args.real_node else (),
-        kubeconfig=args.kubeconfig.resolve(),
+        kubeconfig=args.kubeconfig.resolve(), kueue=args.kueue,
         workdir=args.workdir.resolve() if args.workdir else None,
         # Pods that run bind their pod IP: it must be an address of this machine.
         **({"pod_cidr": "127.20.0.0/16"} if args.run_pods else {}),
@@ -164,6 +174,8 @@ def _run(args: argparse.Namespace) -> int:
             f"\ndev cluster ready, apiserver {cluster.server}\n"
             + (f"{args.nodes} simulated nodes x {args.gpus_per_node} nvidia.com/gpu\n"
                if args.nodes else "")
+            + ("Kueue: its manager, webhooks and CRDs (plain-pod integration)\n"
+               if args.kueue else "")
             + "".join(f"real node {n.config.name}: kubelet + containerd, node IP {n.node_ip}; "
                       f"image {n.images.get('worker')}; run the operator with "
                       f"--rendezvous-host {n.node_ip} so its pods reach it\n"

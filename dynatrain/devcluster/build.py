@@ -14,8 +14,9 @@ import datetime
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 
-from .gobuild import TOOLS, Built, GoModule, cache_root
+from .gobuild import TOOLS, Built, GoBuildError, GoModule, cache_root
 from .gobuild import ensure_built as _ensure_built
 
 # The Go package of each binary (as listed in go.mod's `tool` block) and the name it is
@@ -31,6 +32,21 @@ BINARIES: dict[str, str] = {
 }
 
 
+def version_ldflags(module_dir: Path) -> str:
+    """The Kubernetes version stamped into the binaries, as its release build does (-X of
+    component-base's version variables): without it the apiserver says it is
+    ``v0.0.0-master+$Format:%H$``, which clients that parse the server's version refuse
+    (Kueue's manager exits on it)."""
+    text = (module_dir / "go.mod").read_text()
+    m = re.search(r"^\s*k8s\.io/kubernetes\s+v(\d+)\.(\d+)\.(\d+)", text, re.MULTILINE)
+    if not m:
+        raise GoBuildError(f"{module_dir / 'go.mod'} requires no k8s.io/kubernetes vX.Y.Z")
+    major, minor, patch = m.groups()
+    var = "k8s.io/component-base/version"
+    return (f"-s -w -X {var}.gitVersion=v{major}.{minor}.{patch} -X {var}.gitMajor={major} "
+            f"-X {var}.gitMinor={minor} -X {var}.gitTreeState=clean")
+
+
 def default_toolchain() -> GoModule:
     """This checkout's ``tools/k8s``, cached under ``$XDG_CACHE_HOME/dynatrain/k8s``."""
     return GoModule(
@@ -38,6 +54,7 @@ def default_toolchain() -> GoModule:
         module_dir=TOOLS / "k8s",
         cache_root=cache_root("k8s", "DYNATRAIN_K8S_CACHE"),
         binaries=BINARIES,
+        ldflags=version_ldflags(TOOLS / "k8s"),
         output_names={"etcd": "server"},
         # A cold build (empty module and build caches) took 12 minutes on 2 cores; allow
         # plenty more for slower machines before declaring it hung.

@@ -177,3 +177,20 @@ def write_pki(
 
     return Pki(ca=ca, apiserver=apiserver, clients=pairs,
                service_account_key=sa_priv, service_account_pub=sa_pub)
+
+
+def write_serving_pair(ca: CertPair, directory: Path, *, name: str,
+                       ips: tuple[str, ...] = ("127.0.0.1",)) -> CertPair:
+    """A serving pair for ``ips`` signed by the cluster's CA, as ``tls.crt``/``tls.key`` in
+    ``directory`` (the names controller-runtime's servers read): for a component the
+    apiserver calls on loopback (Kueue's webhooks)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
+    sans = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips] + [x509.DNSName("localhost")]
+    key, cert = _leaf(ca_key, ca_cert.subject, _name(name),
+                      usage=ExtendedKeyUsageOID.SERVER_AUTH, sans=sans)
+    pair = CertPair(cert=directory / "tls.crt", key=directory / "tls.key")
+    _write_cert(cert, pair.cert)
+    _write_key(key, pair.key)
+    return pair

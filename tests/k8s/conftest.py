@@ -62,9 +62,20 @@ def devcluster(tmp_path_factory):
         # Two test sessions on one machine need different ranges (DYNATRAIN_TEST_POD_CIDR),
         # or their workers bind each other's addresses.
         pod_cidr=os.environ.get("DYNATRAIN_TEST_POD_CIDR", "127.20.0.0/16"),
+        # Kueue (its manager runs in a private mount namespace: root only); it touches only
+        # pods labelled with a queue name, so the other suites see the cluster as before.
+        kueue=os.geteuid() == 0,
     )
     with DevCluster(config) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def kueue(devcluster):
+    """The session cluster's Kueue (a test that needs it fails in CI without it)."""
+    if not devcluster.config.kueue:
+        _unavailable("Kueue runs in the dev cluster only as root (see devcluster/kueue.py)")
+    return devcluster
 
 
 @pytest.fixture(scope="session")
