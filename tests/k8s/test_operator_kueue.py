@@ -9,41 +9,30 @@ kube-scheduler; the pool is two simulated nodes of this test's own, two GPUs eac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from kubernetes import client
 
 from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
-from harness.operator_process import apply, condition, events, get, job, job_pods, wait
+from harness.operator_process import apply, condition, events, get, job_pods, wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
-KUEUE = ("kueue.x-k8s.io", "v1beta2")
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _queues(namespace: str) -> list[dict]:
-    """Two ClusterQueues of 2 GPUs each in one cohort (borrowing allowed, reclaimed by
-    preemption), a LocalQueue for each in the test's namespace."""
-    flavor = f"{namespace}-gpu"
-    docs = [{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
-             "metadata": {"name": flavor}}]
-    for team in ("a", "b"):
-        docs.append({
-            "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
-            "metadata": {"name": f"{namespace}-{team}"},
-            "spec": {
-                "cohortName": namespace,
-                "namespaceSelector": {},
-                "preemption": {"reclaimWithinCohort": "Any",
-                               "withinClusterQueue": "LowerPriority"},
-                "resourceGroups": [{
-                    "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
-                    "flavors": [{"name": flavor, "resources": [
-                        {"name": "cpu", "nominalQuota": "64"},
-                        {"name": "memory", "nominalQuota": "256Gi"},
-                        {"name": "nvidia.com/gpu", "nominalQuota": 2}]}]}]}})
-        docs.append({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
-                     "metadata": {"name": f"team-{team}", "namespace": namespace},
-                     "spec": {"clusterQueue": f"{namespace}-{team}"}})
+    """The README recipe's queues (examples/kueue/queues.yaml): two ClusterQueues of 2 GPUs
+    each in one cohort (borrowing allowed, reclaimed by preemption), a LocalQueue for each,
+    here in the test's namespace."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "examples/kueue/queues.yaml").read_text())
+            if d]
+    for d in docs:
+        if d["kind"] == "LocalQueue":
+            d["metadata"]["namespace"] = namespace
     return docs
 
 
@@ -53,10 +42,9 @@ def _pool(index: int, pool: str) -> NodePool:
                     taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
 
 
-def _queued(name: str, pool: str, queue: str, lo: int, hi: int) -> dict:
-    doc = job(name, gpus=1, max_workers=hi)
-    doc["spec"]["elastic"]["minWorkers"] = lo
-    doc["spec"]["queueName"] = queue
+def _recipe_job(name: str, pool: str) -> dict:
+    """The README recipe's job (examples/kueue/NAME.yaml) on this test's pool."""
+    doc = yaml.safe_load((ROOT / f"examples/kueue/{name}.yaml").read_text())
     doc["spec"]["template"] = {"spec": {
         "nodeSelector": {"dynatrain.io/test-pool": pool},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
@@ -85,7 +73,7 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
             return check
 
         # The low job (team a, 2 GPUs of quota) borrows team b's idle 2: 4 workers.
-        apply(kubectl, namespace, tmp_path, _queued("borrower", pool, "team-a", 2, 4))
+        apply(kubectl, namespace, tmp_path, _recipe_job("borrower", pool))
         wait("the borrower on 4 workers (2 of them on borrowed quota)", on("borrower", 4),
              timeout=240)
         pods = job_pods(core, namespace, "borrower")
@@ -98,7 +86,7 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
 
         # Team b's job arrives: Kueue reclaims the borrowed quota by preempting two of the
         # borrower's pods; the borrower switches them out live.
-        apply(kubectl, namespace, tmp_path, _queued("owner", pool, "team-b", 2, 2))
+        apply(kubectl, namespace, tmp_path, _recipe_job("owner", pool))
         wait("team b's job on its 2 workers", on("owner", 2), timeout=240)
         st = wait("the borrower shrunk live to 2", on("borrower", 2), timeout=120)
         shrink = st["lastSwitch"]
