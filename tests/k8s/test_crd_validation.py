@@ -301,6 +301,8 @@ INVALID = [
     Case("ttl-negative", setting("spec.ttlSecondsAfterFinished", -1),
          "spec.ttlSecondsAfterFinished", False),
     Case("suspend-not-boolean", setting("spec.suspend", "yes"), "spec.suspend", True),
+    Case("queue-name-not-a-label-value", setting("spec.queueName", "team a!"),
+         "spec.queueName", False),
     Case("shm-size-not-quantity", setting("spec.resources.shmSize", "big"),
          "spec.resources.shmSize", False),
 ]
@@ -581,6 +583,7 @@ MUTABLE = {
     "preemption-policy-remove": {"preemptionPolicy": None},
     "ttl-after-finished": {"ttlSecondsAfterFinished": 600},
     "suspend": {"suspend": True},
+    "queue-name": {"queueName": "team-b"},        # pods created from then on use it
 }
 
 
@@ -590,7 +593,7 @@ def test_every_spec_field_is_classified():
     fields = set(schema["openAPIV3Schema"]["properties"]["spec"]["properties"])
     immutable = {e.field.removeprefix("spec.") for e in IMMUTABLE}
     mutable = {"elastic", "parallelism", "preemptionPolicy", "suspend",
-               "ttlSecondsAfterFinished"}
+               "ttlSecondsAfterFinished", "queueName"}
     assert fields == immutable | mutable and not immutable & mutable
     assert {k for p in MUTABLE.values() for k in p} == mutable
     for f in immutable - {"image", "model", "resources"}:    # the optional ones

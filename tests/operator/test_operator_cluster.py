@@ -276,3 +276,33 @@ def test_the_nodes_gpu_labels_price_the_job():
     assert "spec.hardware.profile" in text and "c" in text
     pinned = SimpleNamespace(raw={"spec": {"hardware": {"profile": "l4"}}})
     assert hardware_of(pinned, [h100])[:3] == (PROFILES["l4"], True, "Override")
+
+
+def test_kueue_its_queue_label_its_gate_and_its_eviction_read_as_notice():
+    spec = {"image": "i", "model": {"preset": "gpt-tiny"}, "queueName": "team-a"}
+    body = {"apiVersion": "dynatrain.io/v1alpha1", "kind": "DynaTrainJob",
+            "metadata": {"name": "job", "uid": "u1", "namespace": "ns"}, "spec": spec}
+    made = k.worker_pod(body, 0, secret="s", agent_port=50051)
+    assert made["metadata"]["labels"][k.KUEUE_QUEUE_LABEL] == "team-a"
+    assert k.KUEUE_QUEUE_LABEL not in k.worker_pod(
+        {**body, "spec": {**spec, "queueName": ""}}, 0, secret="s", agent_port=50051
+    )["metadata"]["labels"]
+
+    ns = nodes(node("n1"))
+    gated = pod(0, node_name=None, phase="Pending")
+    gated.spec.scheduling_gates = [client.V1PodSchedulingGate(name=k.KUEUE_GATE)]
+    gated.status.conditions = [client.V1PodCondition(
+        type="PodScheduled", status="False", reason="SchedulingGated",
+        message="Scheduling is blocked due to non-empty scheduling gates")]
+    w = k.read_worker(gated, ns, NOW)
+    # Held by Kueue for quota: not the scheduler's unmet demand (no share contention).
+    assert w.queued and w.unschedulable == "" and not w.doomed
+
+    evicted = pod(1, deleted_in=30)
+    evicted.status.conditions = [client.V1PodCondition(
+        type=k.KUEUE_STOP_CONDITION, status="True", reason="WorkloadEvictedDueToPreempted",
+        message="Preempted to accommodate a workload (UID: x) due to reclamation within the "
+                "cohort")]
+    w = k.read_worker(evicted, ns, NOW)
+    assert w.doomed and w.deadline_s == 30
+    assert w.why.startswith("Kueue: WorkloadEvictedDueToPreempted: Preempted to accommodate")
