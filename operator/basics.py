@@ -28,6 +28,9 @@ class Settings:
     """Longest wait between passes while all is well (a watched change wakes a pass early)."""
     max_pods_per_job: int = 256
     """No job gets more worker pods than this, whatever its maxWorkers."""
+    gang_wait_s: float = 60.0
+    """A job that has not started may hold part of its minimum this long while its other pods
+    wait; then it lets go of them (--gang-wait; :meth:`.pods.WorkerPods.scale`)."""
     create_batch: int = 16
     """Pods created per pass at most (the rest follow on the next passes)."""
     worker_cpu: str = k.DEFAULT_WORKER_CPU

@@ -55,6 +55,7 @@ def settings() -> Settings:
     env = os.environ.get
     return Settings(tick_s=float(env("DYNATRAIN_OPERATOR_TICK_S", "0.5")),
                     max_pods_per_job=int(env("DYNATRAIN_MAX_PODS_PER_JOB", "256")),
+                    gang_wait_s=float(env("DYNATRAIN_GANG_WAIT_S", "60")),
                     worker_cpu=env("DYNATRAIN_WORKER_CPU", k.DEFAULT_WORKER_CPU),
                     worker_memory=env("DYNATRAIN_WORKER_MEMORY", k.DEFAULT_WORKER_MEMORY),
                     cert_lifetime_s=float(env("DYNATRAIN_CERT_LIFETIME_S",

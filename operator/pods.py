@@ -16,6 +16,7 @@ the whole runtime.
 
 from __future__ import annotations
 
+import random
 import time
 
 from kubernetes.client.rest import ApiException
@@ -54,6 +55,8 @@ class WorkerPods(Room):
         self.uid_born: dict[str, float] = {}
         """UIDs created by this runtime -> when: kept while the watch has not shown them."""
         self.untrusted: set[str] = set()
+        self.short_since: float | None = None
+        """Since when the job, not started, holds part of its minimum (the gang wait)."""
         self.next_device = 0
         """Device ids are never reused within a job (a restarted operator starts after the
         highest id it finds)."""
@@ -175,6 +178,8 @@ class WorkerPods(Room):
             self._shed(alive, len(alive) - want)
         self._report_unscheduled(alive, gen)
         self._report_queued(alive, gen)
+        if self._release_partial_gang(alive):
+            return
         if self.expected or len(alive) >= want:
             return
         if self.replacing.waiting or self.creation.waiting:
@@ -233,6 +238,41 @@ class WorkerPods(Room):
         self.conditions.set("Schedulable", False, "Unschedulable", text, gen)
         if not was or was["status"] == "True":      # one Event when pods start to wait
             self._event("Warning", "Unschedulable", text)
+
+    def _release_partial_gang(self, alive) -> bool:
+        """A job that has not started, holding part of its minimum while its other pods wait
+        (for a node, or for Kueue's quota) for longer than ``--gang-wait``, lets go of every
+        pod (so the GPUs or quota it held go to jobs that can run) and creates them again
+        after a back-off with jitter: it never holds GPUs while it cannot train. True if it
+        let go now."""
+        c, now = self.controller, time.monotonic()
+        held = [w for w in alive if w.node]
+        waiting = [w for w in alive if not w.node]
+        if c.layout is not None or not held or not waiting \
+                or len(held) >= self.job.min_workers:
+            self.short_since = None
+            return False
+        if self.short_since is None:
+            self.short_since = now
+        if now - self.short_since < self.settings.gang_wait_s:
+            return False
+        self.short_since = None
+        delay = self.creation.fail() * random.uniform(1.0, 1.5)
+        self.creation.until = now + delay
+        why = next((w.unschedulable for w in waiting if w.unschedulable), "") or (
+            "Kueue's quota" if any(w.queued for w in waiting) else "a node")
+        text = (f"holds {len(held)} of its minimum {self.job.min_workers} workers while "
+                f"{len(waiting)} wait ({why}) for over {self.settings.gang_wait_s:g} s "
+                f"(--gang-wait): lets all of them go, so that what it holds serves a job "
+                f"that can run; its pods are created again in {delay:.0f} s")
+        self._event("Normal", "GangReleased", text)
+        self.log(f"job {self.name}: {text}")
+        for w in alive:
+            self.left.add(w.device)
+            if w.device in c.clients:
+                c.remove_device(w.device)
+            self.delete_pod(w.name)
+        return True
 
     def _report_queued(self, alive, gen: int) -> None:
         """The ``Admitted`` condition of a job with ``spec.queueName``: False while Kueue holds

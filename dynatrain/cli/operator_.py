@@ -39,6 +39,11 @@ def register(sub) -> None:
     p.add_argument("--max-pods-per-job", type=int, default=256, metavar="N",
                    help="no job gets more worker pods than N, whatever its maxWorkers "
                    "(default 256)")
+    p.add_argument("--gang-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="a job that has not started and holds part of its minWorkers while its "
+                   "other pods wait (for a node, or for Kueue's quota) lets go of what it "
+                   "holds after SECONDS, and tries again later, so that it never keeps GPUs "
+                   "others could use while it cannot run (default 60)")
     p.add_argument("--worker-cpu", default="1", metavar="QUANTITY",
                    help="CPU request and limit of workers whose job sets no "
                    "spec.resources.cpu (default 1)")
@@ -78,6 +83,9 @@ def run_operator(args) -> int:
     import kopf
     from kubernetes.utils import parse_quantity
 
+    if args.gang_wait <= 0:
+        raise SystemExit(f"dynatrain operator: --gang-wait={args.gang_wait:g} must be more than "
+                         "0 seconds")
     if args.max_pods_per_job < 1:
         raise SystemExit(f"dynatrain operator: --max-pods-per-job={args.max_pods_per_job} "
                          "must be at least 1")
@@ -114,6 +122,7 @@ def run_operator(args) -> int:
     except ValueError as e:
         raise SystemExit(f"dynatrain operator: --cert-lifetime: {e}")
     os.environ["DYNATRAIN_MAX_PODS_PER_JOB"] = str(args.max_pods_per_job)
+    os.environ["DYNATRAIN_GANG_WAIT_S"] = str(args.gang_wait)
     os.environ["DYNATRAIN_WORKER_CPU"] = args.worker_cpu
     os.environ["DYNATRAIN_WORKER_MEMORY"] = args.worker_memory
     if args.kubeconfig:

@@ -31,7 +31,7 @@ SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 POD_MONITOR_API = "monitoring.coreos.com/v1/PodMonitor"
 OPERATOR_ARGS = ["operator", "--liveness", "http://0.0.0.0:8080/healthz", "--metrics-port", "9090",
                  "--leader-lease", "dynatrain-operator", "--lease-seconds", "10",
-                 "--max-pods-per-job", "256", "--worker-cpu", "1",
+                 "--max-pods-per-job", "256", "--gang-wait", "60", "--worker-cpu", "1",
                  "--worker-memory", "4Gi", "--cert-lifetime", "30d"]
 
 # (apiGroup, resource, verbs) the operator needs; the ClusterRole must grant exactly these.
@@ -41,6 +41,8 @@ EXPECTED_RULES = {
     ("dynatrain.io", "dynatrainjobs/status"): {"patch"},
     ("dynatrain.io", "dynatrainjobs/finalizers"): {"update"},
     ("", "pods"): {"create", "delete", "get", "list", "watch", "patch"},
+    # a job's priority in a pool shared with other jobs (operator/sharing.py)
+    ("scheduling.k8s.io", "priorityclasses"): {"get"},
     # patch: kept matching the spec; delete: a previous job's of the same name is replaced
     ("", "services"): {"create", "delete", "get", "list", "watch", "patch"},
     ("", "events"): {"create", "patch"},

@@ -30,9 +30,19 @@ def _queues(namespace: str) -> list[dict]:
     here in the test's namespace."""
     docs = [d for d in yaml.safe_load_all((ROOT / "examples/kueue/queues.yaml").read_text())
             if d]
+    # The cluster-wide objects get names of this test's own (a deleted ClusterQueue lingers
+    # while its workloads finish, and a later test must not find it terminating).
     for d in docs:
         if d["kind"] == "LocalQueue":
             d["metadata"]["namespace"] = namespace
+            d["spec"]["clusterQueue"] = f"{namespace}-{d['spec']['clusterQueue']}"
+        else:
+            d["metadata"]["name"] = f"{namespace}-{d['metadata']['name']}"
+        if d["kind"] == "ClusterQueue":
+            d["spec"]["cohortName"] = namespace
+            for group in d["spec"]["resourceGroups"]:
+                for flavor in group["flavors"]:
+                    flavor["name"] = f"{namespace}-{flavor['name']}"
     return docs
 
 
@@ -119,6 +129,82 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
             kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
                     check=False)
         for name in ("borrower", "owner"):
+            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
+                 timeout=120)
+        for n in nodes:
+            delete_node(core, n)
+        kubectl("delete", "-f", str(queues), "--wait=false", check=False)
+
+
+def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
+        kueue, kubectl, namespace, operator, tmp_path):
+    # One queue of 3 GPUs. "first" (2 workers) runs; "second" (minimum 2) gets one pod
+    # admitted and one held for quota; "third" (1 worker) queues behind it. After the gang
+    # wait, "second" lets go of its admitted pod, so "third" runs on that GPU, and "second"
+    # waits holding nothing until "first" ends; then it runs whole.
+    devcluster = kueue
+    op, _ = operator
+    op.stop()
+    op.env["DYNATRAIN_GANG_WAIT_S"] = "8"
+    op.start()
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    pool = namespace
+    docs = [d for d in _queues(namespace) if d["kind"] == "ResourceFlavor"
+            or d["metadata"]["name"] in (f"{namespace}-team-a", "team-a")]
+    cq = next(d for d in docs if d["kind"] == "ClusterQueue")
+    cq["spec"].pop("cohortName")
+    cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2]["nominalQuota"] = 3
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(yaml.safe_dump_all(docs))
+    kubectl("apply", "-f", str(queues))
+    names = ("first", "second", "third")
+    nodes = []
+    try:
+        for i in range(2):
+            nodes += add_nodes(core, _pool(30 + i, pool))
+
+        def on(name, workers):
+            def check():
+                st = get(custom, namespace, name).get("status", {})
+                return st if st.get("phase") == "Running" and st.get("workers") == workers \
+                    else None
+            return check
+
+        def job_of(name, lo, hi):
+            doc = _recipe_job("borrower", pool)
+            doc["metadata"]["name"] = name
+            doc["spec"]["elastic"] = {"minWorkers": lo, "maxWorkers": hi}
+            return doc
+        apply(kubectl, namespace, tmp_path, job_of("first", 2, 2))
+        wait("the first job on 2 workers", on("first", 2), timeout=240)
+        apply(kubectl, namespace, tmp_path, job_of("second", 2, 2))
+
+        def half_admitted():
+            pods = job_pods(core, namespace, "second")
+            placed = [p for p in pods if p.spec.node_name]
+            return pods if len(pods) == 2 and len(placed) == 1 else None
+        wait("one of the second job's pods admitted, one held", half_admitted, timeout=120)
+        apply(kubectl, namespace, tmp_path, job_of("third", 1, 1))
+
+        wait("the third job running on the GPU the second let go of", on("third", 1),
+             timeout=240)
+        released = [e.message for e in events(core, namespace, "second")
+                    if e.reason == "GangReleased"]
+        assert released and "holds 1 of its minimum 2 workers" in released[0], released
+        assert "Kueue's quota" in released[0] or "gates" in released[0], released
+        # The second job now holds nothing: its pods wait for quota, none is placed.
+        wait("the second job holding nothing", lambda: all(
+            not p.spec.node_name for p in job_pods(core, namespace, "second")), timeout=60)
+        st = get(custom, namespace, "second").get("status", {})
+        assert st.get("phase") == "Pending", st
+
+        kubectl("delete", "dynatrainjob", "first", "-n", namespace, "--wait=false")
+        wait("the second job running whole", on("second", 2), timeout=240)
+    finally:
+        for name in names:
+            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
+                    check=False)
+        for name in names:
             wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
                  timeout=120)
         for n in nodes:
