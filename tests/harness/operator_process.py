@@ -182,3 +182,54 @@ def apply(kubectl, namespace, tmp_path, doc) -> None:
 
 def job_pods(core, namespace, name) -> list:
     return core.list_namespaced_pod(namespace, label_selector=f"dynatrain.io/job={name}").items
+
+
+def running_on(custom, namespace: str, name: str, workers: int):
+    """For :func:`wait`: the job's status once it is Running on ``workers`` workers."""
+    def check():
+        st = get(custom, namespace, name).get("status", {})
+        return st if st.get("phase") == "Running" and st.get("workers") == workers else None
+    return check
+
+
+def audited_past(custom, namespace: str, name: str, step: int):
+    """For :func:`wait`: the job's data audit once it covers a few steps past ``step``."""
+    def check():
+        data = get(custom, namespace, name).get("status", {}).get("data", {})
+        return data if data.get("auditedStep", 0) > step + 2 else None
+    return check
+
+
+def remove_jobs(kubectl, core, namespace: str, names, nodes=(), timeout: float = 120) -> None:
+    """A test's end: its jobs deleted, their pods gone, then its own nodes deleted."""
+    from dynatrain.devcluster.nodes import delete_node
+
+    for name in names:
+        kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false", check=False)
+    for name in names:
+        wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
+             timeout=timeout)
+    for n in nodes:
+        delete_node(core, n)
+
+
+POOL_LABEL = "dynatrain.io/test-pool"
+
+
+def pool_node(prefix: str, index: int, pool: str, gpus: int = 2):
+    """One simulated node of a test's own GPU pool: tainted as managed GPU pools are and
+    labelled ``pool``, so only jobs placed with :func:`on_pool` run there."""
+    from dynatrain.devcluster.nodes import NodePool, Taint
+
+    return NodePool(count=1, gpus_per_node=gpus, name_prefix=prefix, first_index=index,
+                    labels={POOL_LABEL: pool},
+                    taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
+
+
+def on_pool(doc: dict, pool: str) -> dict:
+    """``doc`` (a DynaTrainJob) with a pod template that places its workers on ``pool``."""
+    doc["spec"]["template"] = {"spec": {
+        "nodeSelector": {POOL_LABEL: pool},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                         "effect": "NoSchedule"}]}}
+    return doc

@@ -9,14 +9,16 @@ kube-scheduler; the pool is two simulated nodes of this test's own, two GPUs eac
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
-from harness.operator_process import apply, condition, events, get, job_pods, wait
+from dynatrain.devcluster.nodes import add_nodes
+from harness.operator_process import (apply, audited_past, condition, events, get, job_pods,
+                                     on_pool, remove_jobs, running_on, pool_node, wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -46,26 +48,21 @@ def _queues(namespace: str) -> list[dict]:
     return docs
 
 
-def _pool(index: int, pool: str) -> NodePool:
-    return NodePool(count=1, gpus_per_node=2, name_prefix="kueue", first_index=index,
-                    labels={"dynatrain.io/test-pool": pool},
-                    taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
+def _pool(index: int, pool: str):
+    return pool_node("kueue", index, pool)
 
 
 def _recipe_job(name: str, pool: str) -> dict:
     """The README recipe's job (examples/kueue/NAME.yaml) on this test's pool."""
-    doc = yaml.safe_load((ROOT / f"examples/kueue/{name}.yaml").read_text())
-    doc["spec"]["template"] = {"spec": {
-        "nodeSelector": {"dynatrain.io/test-pool": pool},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                         "effect": "NoSchedule"}]}}
-    return doc
+    return on_pool(yaml.safe_load((ROOT / f"examples/kueue/{name}.yaml").read_text()), pool)
 
 
+@pytest.mark.timeout(600)        # several jobs to start and switch on a small machine
 def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_and_grows_back(
         kueue, kubectl, namespace, operator, tmp_path):
     devcluster = kueue
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    on = partial(running_on, custom, namespace)
     pool = namespace
     queues = tmp_path / "queues.yaml"
     queues.write_text(yaml.safe_dump_all(_queues(namespace)))
@@ -75,12 +72,6 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
         for i in range(2):
             nodes += add_nodes(core, _pool(20 + i, pool))
 
-        def on(name, workers):
-            def check():
-                st = get(custom, namespace, name).get("status", {})
-                return st if st.get("phase") == "Running" and st.get("workers") == workers \
-                    else None
-            return check
 
         # The low job (team a, 2 GPUs of quota) borrows team b's idle 2: 4 workers.
         apply(kubectl, namespace, tmp_path, _recipe_job("borrower", pool))
@@ -119,23 +110,15 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
         st = wait("the borrower grown back to 4", on("borrower", 4), timeout=240)
         assert st["lastSwitch"]["reason"] == "scale-up", st["lastSwitch"]
 
-        def audited():
-            data = get(custom, namespace, "borrower").get("status", {}).get("data", {})
-            return data if data.get("auditedStep", 0) > st["lastSwitch"]["step"] + 2 else None
-        data = wait("the data audit past the regrowth", audited, timeout=120)
+        data = wait("the data audit past the regrowth", audited_past(
+            custom, namespace, "borrower", st["lastSwitch"]["step"]), timeout=120)
         assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
     finally:
-        for name in ("borrower", "owner"):
-            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
-                    check=False)
-        for name in ("borrower", "owner"):
-            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
-                 timeout=120)
-        for n in nodes:
-            delete_node(core, n)
+        remove_jobs(kubectl, core, namespace, ("borrower", "owner"), nodes)
         kubectl("delete", "-f", str(queues), "--wait=false", check=False)
 
 
+@pytest.mark.timeout(600)        # several jobs to start and switch on a small machine
 def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
         kueue, kubectl, namespace, operator, tmp_path):
     # One queue of 3 GPUs. "first" (2 workers) runs; "second" (minimum 2) gets one pod
@@ -148,6 +131,7 @@ def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
     op.env["DYNATRAIN_GANG_WAIT_S"] = "8"
     op.start()
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    on = partial(running_on, custom, namespace)
     pool = namespace
     docs = [d for d in _queues(namespace) if d["kind"] == "ResourceFlavor"
             or d["metadata"]["name"] in (f"{namespace}-team-a", "team-a")]
@@ -163,12 +147,6 @@ def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
         for i in range(2):
             nodes += add_nodes(core, _pool(30 + i, pool))
 
-        def on(name, workers):
-            def check():
-                st = get(custom, namespace, name).get("status", {})
-                return st if st.get("phase") == "Running" and st.get("workers") == workers \
-                    else None
-            return check
 
         def job_of(name, lo, hi):
             doc = _recipe_job("borrower", pool)
@@ -201,12 +179,5 @@ def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
         kubectl("delete", "dynatrainjob", "first", "-n", namespace, "--wait=false")
         wait("the second job running whole", on("second", 2), timeout=240)
     finally:
-        for name in names:
-            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
-                    check=False)
-        for name in names:
-            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
-                 timeout=120)
-        for n in nodes:
-            delete_node(core, n)
+        remove_jobs(kubectl, core, namespace, names, nodes)
         kubectl("delete", "-f", str(queues), "--wait=false", check=False)

@@ -9,31 +9,29 @@ places the pods; the operator only reads where they run and which ones wait.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from kubernetes import client
 
-from dynatrain.devcluster.nodes import NodePool, Taint, add_nodes, delete_node
-from harness.operator_process import apply, condition, events, get, job, job_pods, wait
+from dynatrain.devcluster.nodes import add_nodes
+from harness.operator_process import (apply, audited_past, condition, events, get, job, job_pods,
+                                     on_pool, remove_jobs, running_on, pool_node, wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 
-def _pool(index: int, pool: str) -> NodePool:
-    return NodePool(count=1, gpus_per_node=2, name_prefix="share", first_index=index,
-                    labels={"dynatrain.io/test-pool": pool},
-                    taints=(Taint(key="nvidia.com/gpu", value="present", effect="NoSchedule"),))
+def _pool(index: int, pool: str):
+    return pool_node("share", index, pool)
 
 
 def _elastic(name: str, pool: str) -> dict:
     doc = job(name, gpus=1, max_workers=4)
     doc["spec"]["elastic"]["minWorkers"] = 2
-    doc["spec"]["template"] = {"spec": {
-        "nodeSelector": {"dynatrain.io/test-pool": pool},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                         "effect": "NoSchedule"}]}}
-    return doc
+    return on_pool(doc, pool)
 
 
+@pytest.mark.timeout(600)        # several jobs to start and switch on a small machine
 def test_equal_jobs_share_the_pool_and_a_third_takes_its_minimum_by_live_shrinks(
         devcluster, kubectl, namespace, operator, tmp_path):
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
@@ -83,14 +81,9 @@ def test_equal_jobs_share_the_pool_and_a_third_takes_its_minimum_by_live_shrinks
                    if p.spec.node_name and p.metadata.deletion_timestamp is None) == 6
 
         # Live, not restarted: the shrunk jobs read their data exactly once past the shrink.
-        def audited(name, step):
-            def check():
-                data = get(custom, namespace, name).get("status", {}).get("data", {})
-                return data if data.get("auditedStep", 0) > step + 2 else None
-            return check
         for name in names[:2]:
-            data = wait(f"{name}'s data audit past the shrink",
-                        audited(name, sts[name]["lastSwitch"]["step"]), timeout=120)
+            data = wait(f"{name}'s data audit past the shrink", audited_past(
+                custom, namespace, name, sts[name]["lastSwitch"]["step"]), timeout=120)
             assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
 
         # The third ends: the others grow back into its GPUs.
@@ -98,19 +91,14 @@ def test_equal_jobs_share_the_pool_and_a_third_takes_its_minimum_by_live_shrinks
         wait("the first two back on 3 workers each", settled({"first": 3, "second": 3}),
              timeout=300)
     finally:
-        for name in names:
-            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
-                    check=False)
-        for name in names:
-            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
-                 timeout=90)
-        for n in nodes:
-            delete_node(core, n)
+        remove_jobs(kubectl, core, namespace, names, nodes)
 
 
+@pytest.mark.timeout(600)        # several jobs to start and switch on a small machine
 def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_ends(
         devcluster, kubectl, namespace, operator, tmp_path):
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    on = partial(running_on, custom, namespace)
     sched = client.SchedulingV1Api(devcluster.api_client())
     pool = namespace
     low_cls, high_cls = f"{namespace}-low", f"{namespace}-high"
@@ -125,12 +113,6 @@ def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_e
         low["spec"]["template"]["spec"]["priorityClassName"] = low_cls
         apply(kubectl, namespace, tmp_path, low)
 
-        def on(name, workers):
-            def check():
-                st = get(custom, namespace, name).get("status", {})
-                return st if st.get("phase") == "Running" and st.get("workers") == workers \
-                    else None
-            return check
         wait("the low-priority job on all 4 GPUs", on("low", 4), timeout=240)
 
         high = _elastic("high", pool)
@@ -151,19 +133,10 @@ def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_e
         st = wait("the low-priority job grown back to 4", on("low", 4), timeout=240)
         assert st["lastSwitch"]["reason"] == "scale-up", st["lastSwitch"]
 
-        def audited():
-            data = get(custom, namespace, "low").get("status", {}).get("data", {})
-            return data if data.get("auditedStep", 0) > st["lastSwitch"]["step"] + 2 else None
-        data = wait("the data audit past the regrowth", audited, timeout=120)
+        data = wait("the data audit past the regrowth", audited_past(
+            custom, namespace, "low", st["lastSwitch"]["step"]), timeout=120)
         assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
     finally:
-        for name in ("low", "high"):
-            kubectl("delete", "dynatrainjob", name, "-n", namespace, "--wait=false",
-                    check=False)
-        for name in ("low", "high"):
-            wait(f"{name}'s pods to go", lambda: not job_pods(core, namespace, name),
-                 timeout=90)
-        for n in nodes:
-            delete_node(core, n)
+        remove_jobs(kubectl, core, namespace, ("low", "high"), nodes)
         for cls in (low_cls, high_cls):
             sched.delete_priority_class(cls)
