@@ -50,13 +50,13 @@ class Priorities:
     """PriorityClass name -> value, read from the API and remembered for a minute."""
 
     def __init__(self, api: client.ApiClient | None, log=print):
-        self._api = client.SchedulingV1Api(api) if api is not None else None
+        self.scheduling = client.SchedulingV1Api(api) if api is not None else None
         self._known: dict[str, tuple[int, float]] = {}
         self._lock = threading.Lock()
         self.log = log
 
     def value(self, name: str | None) -> int:
-        if not name or self._api is None:
+        if not name or self.scheduling is None:
             return 0
         now = time.monotonic()
         with self._lock:
@@ -64,7 +64,7 @@ class Priorities:
             if hit is not None and now - hit[1] < PRIORITY_TTL_S:
                 return hit[0]
         try:
-            value = int(self._api.read_priority_class(name).value or 0)
+            value = int(self.scheduling.read_priority_class(name).value or 0)
         except ApiException as e:
             # The scheduler refuses a pod naming a missing class; the pod's creation says so.
             # Here the job counts as priority 0 until it exists.

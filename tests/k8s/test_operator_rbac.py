@@ -41,11 +41,15 @@ _RESOURCES = {"pod": ("", "pods"), "service": ("", "services"), "secret": ("", "
               # leader election (operator/leader.py): the Lease, in the release's namespace
               "lease": ("coordination.k8s.io", "leases"),
               # each job's NetworkPolicy (operator/netpol.py)
-              "network_policy": ("networking.k8s.io", "networkpolicies")}
+              "network_policy": ("networking.k8s.io", "networkpolicies"),
+              # a job's priority in a shared pool (operator/sharing.py)
+              "priority_class": ("scheduling.k8s.io", "priorityclasses")}
 # Objects whose methods the operator calls: CoreV1Api, CustomObjectsApi, NetworkingV1Api
-# (``net``), and the CoordinationV1Api that the client's LeaseLock keeps as ``api_instance``.
-_API_CLASSES = {"CoreV1Api", "CustomObjectsApi", "CoordinationV1Api", "NetworkingV1Api"}
-_CALLERS = r"core|custom|net|api_instance"
+# (``net``), SchedulingV1Api (``scheduling``), and the CoordinationV1Api that the client's
+# LeaseLock keeps as ``api_instance``.
+_API_CLASSES = {"CoreV1Api", "CustomObjectsApi", "CoordinationV1Api", "NetworkingV1Api",
+                "SchedulingV1Api"}
+_CALLERS = r"core|custom|net|api_instance|scheduling"
 
 # Where a request goes: "jobs" (any namespace a DynaTrainJob is in), "release" (the
 # operator's own namespace, where its Lease is), "cluster" (cluster-scoped, or all namespaces).
@@ -130,7 +134,8 @@ def test_the_operator_code_is_read_for_its_requests():
             ("patch", "dynatrain.io", "dynatrainjobs", "status", JOBS),
             ("create", "", "events", "", JOBS),
             ("create", "networking.k8s.io", "networkpolicies", "", JOBS),
-            ("patch", "networking.k8s.io", "networkpolicies", "", JOBS)} <= set(reqs), reqs
+            ("patch", "networking.k8s.io", "networkpolicies", "", JOBS),
+            ("get", "scheduling.k8s.io", "priorityclasses", "", CLUSTER)} <= set(reqs), reqs
 
 
 def test_the_token_is_the_charts_service_account(devcluster):
