@@ -144,14 +144,16 @@ class WorkerPods(Room):
         self._event("Warning", "WorkerReplaced", text)
         self.log(f"job {self.name}: {text}")
 
-    def wanted(self) -> int:
-        """The worker pods the job wants: its maxWorkers (or ``kubectl scale``'s count), those
-        that pay off under spec.elastic.minEfficiency (the policy's count), at most the
-        operator's --max-pods-per-job."""
+    def target(self) -> int:
+        """The workers the job would use: its maxWorkers (or ``kubectl scale``'s count), those
+        that pay off under spec.elastic.minEfficiency (the policy's count)."""
         c = self.controller
-        target = c.policy.efficient_workers(self.job, c.profile,
-                                            self.job.workers or self.job.max_workers)
-        return min(target, self.settings.max_pods_per_job)
+        return c.policy.efficient_workers(self.job, c.profile,
+                                          self.job.workers or self.job.max_workers)
+
+    def wanted(self) -> int:
+        """The worker pods the job wants: :meth:`target`, at most --max-pods-per-job."""
+        return min(self.target(), self.settings.max_pods_per_job)
 
     def scale(self, workers, nodes, share=None) -> None:
         """Create the worker pods the job could use, up to its target and the per-job cap; the
@@ -169,10 +171,10 @@ class WorkerPods(Room):
             return
         self.conditions.set("ImageAllowed", True, "Allowed", "any image" if not
                             s.allowed_images else "matches --allowed-images", gen)
-        c = self.controller
-        target = c.policy.efficient_workers(self.job, c.profile,
-                                            self.job.workers or self.job.max_workers)
-        want = self.wanted() if share is None else share.cap(self.wanted())
+        target = self.target()
+        want = min(target, s.max_pods_per_job)
+        if share is not None:
+            want = share.cap(want)
         alive = [w for w in workers.values() if not w.doomed and w.device not in self.left]
         if len(alive) > want:
             self._shed(alive, len(alive) - want)

@@ -43,14 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import yaml
 from kubernetes import client
 from kubernetes import config as k8s_config
 
 from .build import ensure_built
 from .gobuild import Built
 from . import kueue
-from .certs import ClientIdentity, Pki, write_pki, write_serving_pair
+from .certs import ClientIdentity, Pki, write_pki
 from .endpoints import KINDS as KWOK_CRD_KINDS
 from .endpoints import crd_manifests, exec_refusal_manifests
 from .errors import DevClusterError
@@ -255,7 +254,10 @@ class DevCluster:
         self._start_scheduler(binaries, work, logs, pki)
         self._start_kwok(binaries, work, logs, pki)
         if cfg.kueue:
-            self._start_kueue(binaries, work, logs, pki)
+            kueue.install(kubectl=binaries.path("kubectl"), kubeconfig=self._admin_kubeconfig,
+                          core=self.core(), ca=pki.ca, work=work, timeout=cfg.start_timeout,
+                          start=lambda name, argv: self._start_component(name, argv, logs),
+                          log=self._log)
         # The default StorageClass: claims of it are provisioned by the pod runner (.pods).
         client.StorageV1Api(self.api_client()).create_storage_class(storage_class_manifest())
         for pool in cfg.pools:
@@ -492,40 +494,6 @@ class DevCluster:
             "--v=1",
         ], logs)
         self._wait_healthz(scheduler, port)
-
-    def _start_kueue(self, binaries: Built, work: Path, logs: Path, pki: Pki) -> None:
-        """Kueue's CRDs, its manager (webhooks and controllers) and its webhook configurations,
-        in that order: the webhooks go in once the manager serves them (:mod:`.kueue`)."""
-        kueue.check_can_run()
-        binary = kueue.ensure_kueue(log=self._log)
-        src = kueue.source_dir()
-        kubectl = binaries.path("kubectl")
-        crds = kueue.crds(src)
-        kueue.kubectl_apply(kubectl, self._admin_kubeconfig, crds, work, "kueue-crds")
-        kueue.wait_established(kubectl, self._admin_kubeconfig, crds)
-        self.core().create_namespace(client.V1Namespace(
-            metadata=client.V1ObjectMeta(name=kueue.NAMESPACE)))
-        home = work / "kueue"
-        certs = home / "certs"
-        write_serving_pair(pki.ca, certs, name="kueue-webhook")
-        upper, scratch = home / "etc-upper", home / "etc-work"
-        write_serving_pair(pki.ca, upper / kueue.METRICS_CERT_DIR.removeprefix("/etc/"),
-                           name="kueue-metrics")
-        scratch.mkdir(parents=True, exist_ok=True)
-        webhook_port, health_port = free_port(), free_port()
-        config = home / "config.yaml"
-        config.write_text(yaml.safe_dump(kueue.configuration(
-            webhook_port=webhook_port, cert_dir=certs, metrics_port=free_port(),
-            health_port=health_port)))
-        manager = self._start_component("kueue", kueue.manager_argv(
-            binary, config=config, kubeconfig=self._admin_kubeconfig, etc_upper=upper,
-            etc_work=scratch), logs)
-        kueue.wait_ready(health_port, timeout=self.config.start_timeout.total_seconds(),
-                         alive=manager.check_alive)
-        kueue.kubectl_apply(kubectl, self._admin_kubeconfig, kueue.webhook_configurations(
-            src, url=f"https://127.0.0.1:{webhook_port}", ca_pem=pki.ca.cert.read_bytes()),
-            work, "kueue-webhooks")
-        self._log(f"[devcluster] kueue: manager up (webhooks on 127.0.0.1:{webhook_port})")
 
     def _wait_healthz(self, component: Component, port: int) -> None:
         """Wait for a control-plane component's ``https://127.0.0.1:PORT/healthz``.

@@ -33,16 +33,18 @@ import base64
 import datetime
 import os
 import shutil
-import ssl
-import subprocess
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from kubernetes import client
 
+from ..ports import free_port
+from .certs import CertPair, write_serving_pair
 from .errors import DevClusterError
 from .gobuild import TOOLS, GoModule, cache_root, ensure_built, run_go
+from .processes import Component, check_output, wait_until
 
 KUEUE_MODULE = "sigs.k8s.io/kueue"
 NAMESPACE = "kueue-system"
@@ -165,55 +167,63 @@ def manager_argv(binary: Path, *, config: Path, kubeconfig: Path, etc_upper: Pat
             f"--kubeconfig={kubeconfig}", "--zap-log-level=info"]
 
 
-def wait_ready(health_port: int, *, timeout: float, alive: Callable[[], None]) -> None:
-    """Until the manager's readiness endpoint answers 200 (its webhooks serve then)."""
-    import time
+def wait_ready(manager: Component, health_port: int, *, timeout: datetime.timedelta) -> None:
+    """Until the manager's readiness endpoint answers 200 (its webhooks serve then); a manager
+    that exits meanwhile is reported at once, with its log."""
+    def ready() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/readyz", timeout=3) as r:
+            return r.status == 200
 
-    url = f"http://127.0.0.1:{health_port}/readyz"
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        alive()
-        try:
-            with urllib.request.urlopen(url, timeout=3) as r:
-                if r.status == 200:
-                    return
-        except OSError as e:
-            last = str(e)
-        time.sleep(0.5)
-    raise DevClusterError(f"Kueue's manager was not ready at {url} within {timeout:.0f} s "
-                          f"({last})")
-
-
-def webhook_answers(port: int, ca: Path) -> bool:
-    """The webhook server answers TLS on loopback with a certificate the CA signed."""
-    ctx = ssl.create_default_context(cafile=str(ca))
-    try:
-        with urllib.request.urlopen(f"https://127.0.0.1:{port}/", timeout=3, context=ctx):
-            return True
-    except urllib.error.HTTPError:
-        return True                       # a 404 from the server: TLS worked
-    except OSError:
-        return False
+    wait_until("Kueue's manager to be ready", ready, timeout=timeout, component=manager)
 
 
 def kubectl_apply(kubectl: Path, kubeconfig: Path, docs: list[dict], work: Path,
                   name: str) -> None:
+    """``docs`` applied server-side (written to ``work/NAME.yaml``, kept with the logs)."""
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
-    out = subprocess.run([str(kubectl), f"--kubeconfig={kubeconfig}", "apply",
-                          "--server-side", "--force-conflicts", "-f", str(path)],
-                         capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise DevClusterError(f"applying Kueue's {name} failed: {out.stderr.strip()}")
+    check_output([str(kubectl), f"--kubeconfig={kubeconfig}", "apply", "--server-side",
+                  "--force-conflicts", "-f", str(path)], what=f"applying Kueue's {name}",
+                 timeout=120)
 
 
 def wait_established(kubectl: Path, kubeconfig: Path, docs: list[dict],
                      timeout: float = 60) -> None:
     """Until the apiserver serves every CRD of ``docs`` (the manager's caches need them)."""
-    names = [f"crd/{d['metadata']['name']}" for d in docs]
-    out = subprocess.run([str(kubectl), f"--kubeconfig={kubeconfig}", "wait",
-                          "--for=condition=Established", f"--timeout={timeout:.0f}s", *names],
-                         capture_output=True, text=True, timeout=timeout + 30)
-    if out.returncode != 0:
-        raise DevClusterError(f"Kueue's CRDs were not established: {out.stderr.strip()}")
+    check_output([str(kubectl), f"--kubeconfig={kubeconfig}", "wait",
+                  "--for=condition=Established", f"--timeout={timeout:.0f}s",
+                  *(f"crd/{d['metadata']['name']}" for d in docs)],
+                 what="waiting for Kueue's CRDs to be established", timeout=timeout + 30)
+
+
+def install(*, kubectl: Path, kubeconfig: Path, core, ca: CertPair, work: Path,
+            timeout: datetime.timedelta, start: Callable[[str, list[str]], Component],
+            log: Callable[[str], None]) -> None:
+    """Kueue into a running dev cluster: its CRDs, its manager (webhooks and controllers,
+    started with ``start`` as one of the cluster's components) and then its webhook
+    configurations, once the manager serves them."""
+    check_can_run()
+    binary = ensure_kueue(log=log)
+    src = source_dir()
+    docs = crds(src)
+    kubectl_apply(kubectl, kubeconfig, docs, work, "kueue-crds")
+    wait_established(kubectl, kubeconfig, docs)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+    home = work / "kueue"
+    certs = home / "certs"
+    write_serving_pair(ca, certs, name="kueue-webhook")
+    upper, scratch = home / "etc-upper", home / "etc-work"
+    write_serving_pair(ca, upper / METRICS_CERT_DIR.removeprefix("/etc/"), name="kueue-metrics")
+    scratch.mkdir(parents=True, exist_ok=True)
+    webhook_port, health_port = free_port(), free_port()
+    config = home / "config.yaml"
+    config.write_text(yaml.safe_dump(configuration(
+        webhook_port=webhook_port, cert_dir=certs, metrics_port=free_port(),
+        health_port=health_port)))
+    manager = start("kueue", manager_argv(binary, config=config, kubeconfig=kubeconfig,
+                                          etc_upper=upper, etc_work=scratch))
+    wait_ready(manager, health_port, timeout=timeout)
+    kubectl_apply(kubectl, kubeconfig, webhook_configurations(
+        src, url=f"https://127.0.0.1:{webhook_port}", ca_pem=ca.cert.read_bytes()),
+        work, "kueue-webhooks")
+    log(f"[devcluster] kueue: manager up (webhooks on 127.0.0.1:{webhook_port})")
