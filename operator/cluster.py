@@ -35,6 +35,11 @@ KUEUE_GATE = "kueue.x-k8s.io/admission"
 """The scheduling gate Kueue's pod webhook puts on a queued pod until it is admitted."""
 KUEUE_STOP_CONDITION = "TerminationTarget"
 """The pod condition Kueue sets (reason, message) before it deletes a pod it evicts."""
+KUEUE_WORKLOADS = ("kueue.x-k8s.io", "v1beta2", "workloads")
+"""Kueue's Workload (group, version, plural): one per queued worker pod, which says why it
+waits (its ``QuotaReserved`` condition)."""
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""The label on a Workload naming the UID of the pod (job) it admits."""
 JOB_LABEL = "dynatrain.io/job"
 DEVICE_LABEL = "dynatrain.io/device"
 METRICS_PORT = 9400
@@ -237,6 +242,20 @@ def read_worker(pod, nodes: dict[str, NodeInfo], now: datetime.datetime | None =
                      (pod.status.phase if pod.status else None) or "Pending", doomed, deadline,
                      why, pod_gpus(pod), unhealthy, meta.uid or "", unschedulable(pod),
                      queued=any(g.name == KUEUE_GATE for g in pod.spec.scheduling_gates or []))
+
+
+def kueue_waits(workloads) -> dict[str, str]:
+    """Pod UID -> why Kueue has not admitted it (the message of its Workload's
+    ``QuotaReserved`` condition while False, e.g. "couldn't assign flavors to pod set main:
+    insufficient unused quota for nvidia.com/gpu in flavor default, 1 more needed"), from a
+    list of Workloads (dicts, as the custom-objects API returns them)."""
+    out = {}
+    for wl in workloads:
+        uid = ((wl.get("metadata") or {}).get("labels") or {}).get(KUEUE_JOB_UID_LABEL)
+        for c in (wl.get("status") or {}).get("conditions") or []:
+            if uid and c.get("type") == "QuotaReserved" and c.get("status") == "False":
+                out[uid] = c.get("message") or c.get("reason") or ""
+    return out
 
 
 def unschedulable(pod) -> str:

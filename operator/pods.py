@@ -28,12 +28,24 @@ from . import guard, pki
 from .basics import Backoff, JobContext, Room, api_message as _api_message
 
 
+KUEUE_READ_S = 10.0
+"""How often a job with queued pods reads their Workloads (why Kueue holds them)."""
+KUEUE_READ_PODS = 32
+"""The most pods whose Workloads one read asks for (the label selector's length)."""
+
+
 class WorkerPods(Room):
     """One job's worker pods (see the module's docstring)."""
 
-    def __init__(self, ctx: JobContext, *, view, secret_name, publish, worker_uids: set[str]):
+    def __init__(self, ctx: JobContext, *, view, secret_name, publish, worker_uids: set[str],
+                 kueue=None):
         super().__init__(ctx)
         self.view = view
+        self.kueue = kueue
+        """A CustomObjectsApi for Kueue's Workloads (why a queued pod waits), or None."""
+        self._kueue_read: tuple[float, dict[str, str]] = (float("-inf"), {})
+        """(when, pod UID -> Kueue's reason) of the last read of the Workloads."""
+        self._kueue_warned = False
         self._secret_name = secret_name
         """() -> the name of the Secret with the agents' token (the runtime's objects pass)."""
         self._publish = publish
@@ -289,12 +301,39 @@ class WorkerPods(Room):
                 self.conditions.set("Admitted", True, "Admitted", f"Kueue admitted every "
                                     f"worker pod (LocalQueue {queue})", gen)
             return
+        why = self._kueue_why(waiting)
         text = (f"{len(waiting)} of {len(alive)} worker pods wait for Kueue to admit them "
-                f"(LocalQueue {queue}: quota); the job trains on the others")
+                f"(LocalQueue {queue}: " + (f"Kueue says: {why}" if why else "quota")
+                + "); the job trains on the others")
         was = self.conditions.get("Admitted")
         self.conditions.set("Admitted", False, "QuotaWait", text, gen)
         if not was or was["status"] == "True":
             self._event("Normal", "QuotaWait", text)
+
+    def _kueue_why(self, waiting) -> str:
+        """Kueue's own words for why these pods wait (their Workloads' ``QuotaReserved``
+        message), read at most every :data:`KUEUE_READ_S`; "" when it has none or cannot be
+        read (a missing rule is logged once: the chart grants ``list`` on Workloads)."""
+        now = time.monotonic()
+        if self.kueue is None:
+            return ""
+        if now - self._kueue_read[0] >= KUEUE_READ_S:
+            uids = sorted(w.uid for w in waiting if w.uid)[:KUEUE_READ_PODS]
+            group, version, plural = k.KUEUE_WORKLOADS
+            try:
+                items = self.kueue.list_namespaced_custom_object(
+                    group, version, self.namespace, plural,
+                    label_selector=f"{k.KUEUE_JOB_UID_LABEL} in ({','.join(uids)})")["items"]
+                self._kueue_read = (now, k.kueue_waits(items))
+            except ApiException as e:
+                self._kueue_read = (now, {})
+                if not self._kueue_warned:
+                    self._kueue_warned = True
+                    self.log(f"job {self.name}: cannot read Kueue's Workloads ({e.status} "
+                             f"{e.reason}: {_api_message(e)}); the Admitted condition says "
+                             "only that pods wait for quota")
+        whys = {self._kueue_read[1].get(w.uid) for w in waiting} - {None, ""}
+        return "; ".join(sorted(whys))
 
     def _shed(self, alive, surplus: int) -> None:
         """More worker pods than wanted (``kubectl scale`` down): delete pods that hold no

@@ -52,6 +52,8 @@ EXPECTED_RULES = {
     ("", "secrets"): {"get", "create", "delete", "patch"},
     # a job with spec.agent.issuerRef: its two cert-manager Certificates
     ("cert-manager.io", "certificates"): {"get", "create", "patch"},
+    # a job with spec.queueName: why Kueue holds its pods (their Workloads' QuotaReserved)
+    ("kueue.x-k8s.io", "workloads"): {"list"},
     # each job's NetworkPolicy (operator/netpol.py), kept like its Service
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},   # the job manifest, for workers

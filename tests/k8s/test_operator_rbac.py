@@ -83,6 +83,10 @@ LIBRARIES = [
 CERT_MANAGER = [(verb, "cert-manager.io", "certificates", "", JOBS)
                 for verb in ("get", "create", "patch")]
 
+# Kueue's Workloads of a job's queued pods (operator/pods.py _kueue_why, through
+# ``self.kueue``, a CustomObjectsApi this scan does not read).
+KUEUE = [("list", "kueue.x-k8s.io", "workloads", "", JOBS)]
+
 
 def operator_requests() -> list[tuple[str, str, str, str, str]]:
     """(verb, group, resource, subresource, scope) of every kubernetes client method that
@@ -112,7 +116,7 @@ def operator_requests() -> list[tuple[str, str, str, str, str]]:
 
 
 def all_requests() -> list[tuple[str, str, str, str, str]]:
-    return sorted(set(operator_requests()) | set(LIBRARIES) | set(CERT_MANAGER))
+    return sorted(set(operator_requests()) | set(LIBRARIES) | set(CERT_MANAGER) | set(KUEUE))
 
 
 def _can(kubeconfig: Path, request, jobs_namespace: str) -> bool:

@@ -306,3 +306,20 @@ def test_kueue_its_queue_label_its_gate_and_its_eviction_read_as_notice():
     w = k.read_worker(evicted, ns, NOW)
     assert w.doomed and w.deadline_s == 30
     assert w.why.startswith("Kueue: WorkloadEvictedDueToPreempted: Preempted to accommodate")
+
+
+def test_kueue_s_reason_for_a_waiting_pod_is_read_off_its_workload():
+    def workload(uid, *conditions):
+        return {"metadata": {"name": f"pod-w-{uid}", "labels": {k.KUEUE_JOB_UID_LABEL: uid}},
+                "status": {"conditions": [dict(zip(("type", "status", "reason", "message"), c))
+                                          for c in conditions]}}
+    quota = ("couldn't assign flavors to pod set main: insufficient unused quota for "
+             "nvidia.com/gpu in flavor default, 1 more needed")
+    waits = k.kueue_waits([
+        workload("a", ("QuotaReserved", "False", "Pending", quota)),
+        workload("b", ("QuotaReserved", "True", "QuotaReserved", "Quota reserved"),
+                 ("Admitted", "True", "Admitted", "")),
+        workload("c"),                                # not yet looked at by Kueue
+        {"metadata": {"name": "unlabelled"}, "status": {"conditions": [
+            {"type": "QuotaReserved", "status": "False", "message": "x"}]}}])
+    assert waits == {"a": quota}
