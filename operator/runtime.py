@@ -29,6 +29,10 @@ and closes the gap, and never gives up on the job. Each pass:
    switch), records switches in the status and as Events, and deletes the pods switched off
    doomed nodes or out by a scale-down.
 
+Notices that leave fewer workers than ``spec.elastic.minWorkers`` *park* a job with
+``spec.checkpoint``: every worker writes one checkpoint, its pods go, and it starts again from
+there once its minimum is up (condition ``Suspended``, reason ``BelowMinimum``).
+
 Every error of a pass becomes the ``Reconciled`` condition (reason and message) and a retry
 with capped exponential back-off. The job is ``Failed`` only by its own rule (the controller's
 :class:`JobFailed`: no layout fits what is left, unrecoverable state), and then its pods are
@@ -49,7 +53,9 @@ agents (:meth:`JobController.adopt`), finishing or aborting a switch that was in
 the pass. The rest lives in rooms of one role each, which it owns and hands what they use
 (#32: one class did everything): :mod:`.status` (conditions, the status patch, the data
 audit, Events), :mod:`.jobtls` (the TLS material, both kinds, and the agents' clients),
-:mod:`.pods` (the worker pods: trust, creation, replacement, deletion), :mod:`.objects`
+:mod:`.pods` (the worker pods: trust, creation, replacement, deletion), :mod:`.suspension`
+(``spec.suspend`` and parking under the minimum), :mod:`.sharing` (the job's share of a
+pool), :mod:`.objects`
 (the Secret, ConfigMap, Service and NetworkPolicy) and :mod:`.basics` (settings, back-off). The names other modules import from here are re-exported.
 """
 
@@ -65,7 +71,7 @@ from kubernetes.client.rest import ApiException
 
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller import decide
-from dynatrain.controller.core import JobController, JobFailed, SuspendFailed
+from dynatrain.controller.core import JobController, JobFailed
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
 from dynatrain.controller.rendezvous import RendezvousServer
@@ -80,6 +86,7 @@ from .jobtls import JobTls
 from .objects import JobObjects
 from .pods import WorkerPods
 from .sharing import Board, JobShare, Priorities
+from .suspension import Suspension
 from .status import (AUDIT_EVERY_S, GROUP, PLURAL, TERMINAL, VERSION, Conditions, Report,
                      seconds_to_expiry)
 
@@ -164,10 +171,6 @@ class JobRuntime:
         self.start_time: str | None = published.get("startTime")
         """When the job first trained (``status.startTime``), kept across operator restarts."""
         self.completion_time: str | None = published.get("completionTime")
-        self.suspension: dict | None = published.get("suspension")
-        """``status.suspension`` ({checkpoint, step, time}): the checkpoint a suspend wrote,
-        which the job continues from when resumed; kept in the status (a restarted operator
-        reads it back) until the resumed job has started from it."""
         self.last_switch: dict | None = (body.get("status") or {}).get("lastSwitch")
         """As published; a restarted operator (or a replica taking over) keeps the last."""
         self.errors = Backoff(settings.backoff_first_s, settings.backoff_max_s)
@@ -190,11 +193,15 @@ class JobRuntime:
                                   pki=lambda: self.jobtls)
         self.pods = WorkerPods(
             ctx, view=view, secret_name=lambda: self.objects.secret_name, publish=self._publish,
-            worker_uids=set((body.get("status") or {}).get("workerUIDs") or []))
+            worker_uids=set((body.get("status") or {}).get("workerUIDs") or []),
+            kueue=self.custom)
         self.jobtls = JobTls(ctx, cert_manager=self.custom, token=lambda: self.objects.token,
                              ensure=self.objects.ensure_one)
         self.share = JobShare(ctx, board=board, priorities=priorities) if board else None
         """The job's share of a pool shared with other jobs (None: the job is alone)."""
+        self.hold = Suspension(ctx, pods=self.pods, publish_phase=self._publish_phase,
+                               published=published.get("suspension"))
+        """``spec.suspend`` and parking under the minimum (the checkpoint it continues from)."""
 
     # -- the pass --------------------------------------------------------------------------------
     def reconcile(self, body: dict) -> float | None:
@@ -298,9 +305,12 @@ class JobRuntime:
         # spec.recovery.resumeFrom: the first generation starts from that checkpoint (on the
         # claim every worker mounts), under whatever layout fits the workers at hand.
         self.controller.resume_from = job.recovery.resume_from
-        if self.suspension:              # suspended before this operator started
-            self.controller.restart_from(self.suspension["checkpoint"],
-                                         int(self.suspension["step"]))
+        # With a checkpoint claim, a job pushed under its minimum (a higher priority, Kueue)
+        # waits at a checkpoint for it to come back; without one it fails, as it must.
+        self.controller.wait_below_minimum = bool(job.recovery.checkpoint_dir)
+        held = self.hold.checkpoint      # suspended or parked before this operator started
+        if held:
+            self.controller.restart_from(held["checkpoint"], int(held["step"]))
         self.controller.before_switch = self._switching
         self.controller.on_answer = self._answered
         self.controller.intake = self._intake
@@ -319,9 +329,13 @@ class JobRuntime:
 
     def _tick(self) -> None:
         nodes, workers = self._observe()
-        if self._suspended():
+        held = self.hold.suspended(self.phase)
+        if held == "suspended":
+            self.phase, self.adopted = "Suspended", False
             self._unclaim()
             return
+        if held == "resumed":
+            self.phase, self.created = "Pending", time.monotonic()
         self._take_in(workers)
         c = self.controller
         # A job in a Kueue queue is Kueue's to share (quota, cohorts, preemption): the
@@ -348,6 +362,10 @@ class JobRuntime:
             self.took_over = c.generation_running > 0
         record = c.tick()
         self._report_lost()
+        if c.parked is not None:          # under its minimum: it waits at a checkpoint
+            self.hold.park(c.parked)
+            self.adopted, self.created = False, time.monotonic()
+            return
         if record is not None:
             self._switched(record, workers)
         if c.progress.finished:
@@ -361,63 +379,6 @@ class JobRuntime:
             self._unclaim()                  # its GPUs are the others' at once
         else:
             self.phase = "Running"
-
-    def _suspended(self) -> bool:
-        """``spec.suspend``: a training job writes a checkpoint at a step every member agrees
-        on (to its claim) and its pods are removed; a job that had not started just loses its
-        pods. Set back to false, the job creates pods again and continues from that
-        checkpoint under whatever layout fits them. True while suspended (the pass ends)."""
-        c, gen = self.controller, self._generation()
-        if not self.job.suspend:
-            if self.phase == "Suspended":
-                text = (f"continuing from the checkpoint of step {self.suspension['step']}"
-                        if self.suspension else "starting")
-                self.conditions.set("Suspended", False, "Resumed", text, gen)
-                self._event("Normal", "Resumed", text)
-                self.log(f"job {self.name}: resumed: {text}")
-                self.phase, self.created = "Pending", time.monotonic()
-            return False
-        if c.layout is not None:          # training: its state goes to the claim first
-            if not self.job.recovery.checkpoint_dir:
-                text = ("spec.suspend is set, but the job has no spec.checkpoint claim to "
-                        "write its state to, so suspending would lose its training: it trains "
-                        "on (delete the job, or run it again with spec.checkpoint)")
-                if self.conditions.set("Suspended", False, "NoCheckpointClaim", text, gen):
-                    self._event("Warning", "NoCheckpointClaim", text)
-                return False
-            try:
-                path, step = c.suspend()
-            except SuspendFailed as e:
-                text = f"the checkpoint of the suspend was not written: {e}; trying again"
-                if self.conditions.set("Suspended", False, "CheckpointFailed", text, gen):
-                    self._event("Warning", "CheckpointFailed", text)
-                self.log(f"job {self.name}: {text}")
-                return False
-            self.suspension = {"checkpoint": path, "step": step, "time": _now().isoformat()}
-            c.restart_from(path, step)    # the clients go; resumed, it starts from there
-            wrote = True
-        else:
-            wrote = False
-        self.phase = "Suspended"
-        text = ("no worker pods while spec.suspend is true" + (
-            f"; the job continues from the checkpoint of step {self.suspension['step']} "
-            f"({self.suspension['checkpoint']}) when it is set to false"
-            if self.suspension else ""))
-        changed = self.conditions.set("Suspended", True, "Suspended", text, gen)
-        if wrote:
-            # Kept before the pods go (nothing else holds it), and in one status with the
-            # phase and the condition: a reader never sees the one without the other.
-            self._publish(force=True)
-        if changed:
-            self._event("Normal", "Suspended", text)
-            self.log(f"job {self.name}: suspended: {text}")
-        for d in list(c.clients):         # pods not yet members (standby, joining)
-            c.remove_device(d)
-        self.adopted = False
-        # The default grace: a suspended worker holds nothing the checkpoint does not and
-        # stops at once on SIGTERM.
-        self.pods.delete_all_pods("the job is suspended")
-        return True
 
     def _take_in(self, workers) -> None:
         """Capacity signals from the worker pods: gone, unhealthy, doomed, newly up."""
@@ -534,7 +495,7 @@ class JobRuntime:
         else:
             self._event("Normal", "Started", f"started {r.to_layout} on workers "
                         f"{list(c.members)}")
-            self.suspension = None        # started from it: the checkpoints go on as usual
+            self.hold.started(len(c.members))
         for d, w in workers.items():
             if d in c.lost and d not in self.pods.left:    # died without notice: replace its pod
                 self.pods.left.add(d)
@@ -591,7 +552,7 @@ class JobRuntime:
         if self.completion_time:
             st["completionTime"] = self.completion_time
         # None once resumed: the status is merge-patched, where null removes the field.
-        st["suspension"] = self.suspension
+        st["suspension"] = self.hold.checkpoint
         self.report.running_condition(self.phase, self._generation())
         st["conditions"] = self.conditions.as_list()
         if c is not None and c.progress.loss is not None:
@@ -605,6 +566,10 @@ class JobRuntime:
     def _publish(self, force: bool = False) -> None:
         """Patch the status when it changed; the step alone at most every status_every_s."""
         self.report.publish(self.status(), force)
+
+    def _publish_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._publish(force=True)
 
     def _event(self, kind: str, reason: str, message: str) -> None:
         self.report.event(kind, reason, message)

@@ -48,6 +48,14 @@ State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3
 
 
+@dataclass(frozen=True)
+class Parked:
+    """The job parked below its minimum (:class:`.decide.Park`), and where it continues from."""
+    why: str
+    checkpoint: str
+    step: int
+
+
 @dataclass
 class LayoutRequest:
     """A layout a user asked for, and the controller's answer to it."""
@@ -117,6 +125,13 @@ class JobController:
         """A checkpoint the job's first generation starts from (any layout)."""
         self.recover_in_memory = True
         """False: leave failures to the front end (the local runner's restart mode)."""
+        self.wait_below_minimum = False
+        """True: notices that leave fewer devices than the minimum park the job at a
+        checkpoint (:attr:`parked`) instead of failing it; set by a front end that can hold a
+        job without workers and bring it back (the operator, with ``spec.checkpoint``)."""
+        self.parked: Parked | None = None
+        """The job parked: the front end removes its workers, clears this, and starts it again
+        from that checkpoint once its minimum is back."""
         self.before_switch = None
         """Called with (old layout, new layout, reason) before a switch starts (the operator
         shows the job as Switching)."""
@@ -240,6 +255,19 @@ class JobController:
                  "trains no further")
         return path, step
 
+    def _park(self, why: str) -> None:
+        """Below the minimum by notices: one checkpoint written by every member before the
+        doomed ones go, then no generation runs (:attr:`parked` tells the front end). A
+        checkpoint that cannot be written fails the job: nothing else would keep its state."""
+        try:
+            path, step = self.suspend()
+        except SuspendFailed as e:
+            raise JobFailed(f"{why}; the checkpoint to wait at was not written: {e}") from e
+        self.restart_from(path, step)
+        self.parked = Parked(why, path, step)
+        self.log(f"parked: {why}; waits for {self.job.min_workers} workers to continue from "
+                 f"the checkpoint of step {step}")
+
     def request_layout(self, layout: Layout) -> LayoutRequest:
         """A user asked for this layout (``parallelism.mode: fixed``). It is applied at the
         next decision, or answered with why not (:attr:`requests`)."""
@@ -336,6 +364,9 @@ class JobController:
             raise JobFailed(action.why)
         if isinstance(action, decide.Recover):
             return recovery.recover(self)
+        if isinstance(action, decide.Park):
+            self._park(action.why)
+            return None
         if isinstance(action, decide.Refuse):
             self._refuse(req, action.why)
             return None
@@ -386,6 +417,7 @@ class JobController:
             finished=self.progress.finished, last_step_at=self._last_step_at,
             give_up_s=self.timeouts.give_up_s, interrupted_since=self.interrupted_since,
             recover_in_memory=self.recover_in_memory,
+            wait_below_minimum=self.wait_below_minimum,
             request=decide.Request(req.layout) if req is not None else None,
             measurement=self.measurements.get(self.generation_running),
             switch_cost_s=self._last_pause_s,

@@ -84,6 +84,9 @@ class View:
     share: int | None = None
     """The most workers the job may hold while its pool is contended (:mod:`.share`), or
     None when it binds nothing."""
+    wait_below_minimum: bool = False
+    """Pushed under its minimum by notices, the job waits at a checkpoint instead of failing
+    (the front end can hold it: the operator, for a job with ``spec.checkpoint``)."""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -125,6 +128,16 @@ class Recover:
 
 
 @dataclass(frozen=True)
+class Park:
+    """Notices leave fewer devices than ``spec.elastic.minWorkers``: every member (those
+    with a notice still run until their deadline) writes one checkpoint at a step they agree
+    on; the job then holds no workers and waits for its minimum, to continue from there
+    under whatever layout fits (``why`` says what pushed it under)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class Refuse:
     """The pending request cannot be met (``why``, the solver's reason): refuse it and run
     on as before it."""
@@ -140,12 +153,14 @@ class Switch:
     answer: Answer | None = None
 
 
-Action = Idle | Finished | GiveUp | Recover | Refuse | Switch
+Action = Idle | Finished | GiveUp | Recover | Park | Refuse | Switch
 
 
 def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -> Action:
     """What the job does at this tick. The order is the rules' priority: a finished job does
-    nothing; a stalled one gives up; a failure is recovered before anything else; a switch
+    nothing; a stalled one gives up; a failure is recovered before anything else; notices
+    that leave fewer devices than the minimum park the job at a checkpoint (or fail it where
+    nothing can hold it); a switch
     does not start while a member is suspected of hanging (the watchdog decides first) unless
     a notice forces it; else the policy chooses."""
     if v.finished:
@@ -161,6 +176,13 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
             return Idle("the front end restarts the job (checkpoint-and-restart)")
         return Recover()
     must_leave = v.doomed & set(v.members)
+    if must_leave and len(v.usable) < job.min_workers:
+        why = (f"notices take devices {sorted(must_leave)}, which leaves {len(v.usable)} "
+               f"usable, fewer than spec.elastic.minWorkers={job.min_workers}")
+        if v.wait_below_minimum:
+            return Park(why)
+        return GiveUp(f"no layout fits the devices left: {why} (on a cluster, a job with "
+                      "spec.checkpoint waits at a checkpoint for its minimum instead)")
     suspects = sorted(d for d in v.members if v.misses.get(d))
     if suspects and not must_leave:
         return Idle(f"devices {suspects} missed Status: the watchdog decides about them first")

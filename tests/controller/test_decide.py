@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from dynatrain.controller import decide
-from dynatrain.controller.decide import (Finished, GiveUp, Idle, InFlight, Recover, Refuse,
-                                         Request, Switch, View)
+from dynatrain.controller.decide import (Finished, GiveUp, Idle, InFlight, Park, Recover,
+                                         Refuse, Request, Switch, View)
 from dynatrain.spec.hardware import PROFILES
 from dynatrain.spec.job import load_job
 from dynatrain.controller.policy import Policy
@@ -75,6 +75,44 @@ def test_no_layout_for_the_devices_left_gives_up_with_the_solvers_reason():
     job = replace(JOB, min_workers=3)
     a = act(view(usable=(0, 1), doomed=frozenset({2, 3})), job=job)
     assert isinstance(a, GiveUp) and "minWorkers=3" in a.why
+
+
+def test_under_the_minimum_by_notices_a_job_that_can_wait_parks_at_a_checkpoint():
+    job = replace(JOB, min_workers=3)
+    pushed = view(usable=(0, 1), doomed=frozenset({2, 3}), wait_below_minimum=True)
+    a = act(pushed, job=job)
+    assert isinstance(a, Park), a
+    assert "[2, 3]" in a.why and "2 usable" in a.why and "minWorkers=3" in a.why
+    # Where nothing can hold it (the local runner, no checkpoint claim) it fails, saying what
+    # would have kept it.
+    a = act(replace(pushed, wait_below_minimum=False), job=job)
+    assert isinstance(a, GiveUp) and "spec.checkpoint" in a.why
+    # At its minimum it shrinks live as ever; a failure is still recovered first; a device
+    # lost without notice is not a reason to park (recovery decides).
+    assert isinstance(act(replace(pushed, usable=(0, 1, 4)), job=job), Switch)
+    assert isinstance(act(replace(pushed, failed=frozenset({3})), job=job), Recover)
+    assert isinstance(act(view(usable=(0, 1), wait_below_minimum=True,
+                               layout=parse_layout("dp=2").with_devices([0, 1])),
+                          job=replace(JOB, min_workers=2)), Idle)
+
+
+def test_replay_a_higher_priority_job_takes_the_pool_and_gives_it_back():
+    """A low-priority job (3..4 workers) on 4 GPUs; the scheduler preempts two of its pods
+    for a high-priority job: it parks; when capacity comes back it starts again."""
+    job = replace(JOB, min_workers=3)
+    running = view(wait_below_minimum=True)
+    assert isinstance(act(running, job=job), Idle)
+    assert isinstance(act(replace(running, usable=(0, 1), doomed=frozenset({2, 3})),
+                          job=job), Park)
+    # Parked, it is a job that has not started: the front end asks again once its minimum
+    # is up (the operator's start gate), and the first layout fits the workers it then has.
+    parked = replace(running, layout=None, usable=(), doomed=frozenset(), step=20)
+    a = act(replace(parked, usable=(4, 5, 6)), job=job)
+    assert isinstance(a, Switch) and a.decision.reason == "start", a
+    assert a.decision.layout.world == 3
+    a = act(replace(parked, usable=(4, 5, 6, 7)), job=job)
+    assert isinstance(a, Switch) and a.decision.reason == "start", a
+    assert a.decision.layout.world == 4
 
 
 def test_a_request_that_cannot_be_solved_is_refused():

@@ -137,6 +137,15 @@ def job(name: str, **over) -> dict:
     return doc
 
 
+def claim(core, namespace: str, name: str) -> None:
+    """A ReadWriteMany claim for checkpoints; the dev cluster's pod runner provisions it (a
+    directory every pod mounting it shares) and kube-controller-manager's binder binds it."""
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteMany"],
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+
+
 def get(custom, namespace, name) -> dict:
     return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
 

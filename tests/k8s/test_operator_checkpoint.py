@@ -25,19 +25,12 @@ from kubernetes import client
 
 from dynatrain.trainer.checkpoint import latest_checkpoint
 
-from harness.operator_process import (agent_client, condition, events, get as _get, job as _job,
-                              job_pods, wait as _wait)
+from harness.operator_process import (agent_client, claim as _claim, condition, events,
+                                     get as _get, job as _job, job_pods, wait as _wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 INTERVAL = 6
 """Steps between checkpoints: the kill comes a few steps after one, before the next."""
-
-
-def _claim(core, namespace: str, name: str) -> None:
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-        "spec": {"accessModes": ["ReadWriteMany"],
-                 "resources": {"requests": {"storage": "1Gi"}}}})
 
 
 def _checkpointed(name: str, claim: str, **over) -> dict:

@@ -17,8 +17,9 @@ import yaml
 from kubernetes import client
 
 from dynatrain.devcluster.nodes import add_nodes
-from harness.operator_process import (apply, audited_past, condition, events, get, job_pods,
-                                     on_pool, remove_jobs, running_on, pool_node, wait)
+from harness.operator_process import (apply, audited_past, claim, condition, events, get,
+                                     job_pods, on_pool, remove_jobs, running_on, pool_node,
+                                     wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -103,6 +104,11 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
             "reason") == "QuotaWait" and condition(custom, namespace, "borrower", "Admitted"),
             timeout=60)
         assert "wait for Kueue to admit them (LocalQueue team-a" in waiting["message"], waiting
+        # ... in Kueue's own words, read off their Workloads (QuotaReserved False).
+        said = wait("Kueue's reason in the Admitted condition", lambda: (lambda c: c if c and (
+            "Kueue says: " in c["message"]) else None)(
+            condition(custom, namespace, "borrower", "Admitted")), timeout=60)
+        assert "quota" in said["message"].split("Kueue says: ", 1)[1], said
         assert "QuotaWait" in [e.reason for e in events(core, namespace, "borrower")]
 
         # Team b's job ends: Kueue admits the waiting pods, the borrower grows back live.
@@ -180,4 +186,66 @@ def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
         wait("the second job running whole", on("second", 2), timeout=240)
     finally:
         remove_jobs(kubectl, core, namespace, names, nodes)
+        kubectl("delete", "-f", str(queues), "--wait=false", check=False)
+
+
+@pytest.mark.timeout(600)        # two jobs to start, a park and a resume on a small machine
+def test_kueue_taking_a_job_under_its_minimum_parks_it_at_a_checkpoint_until_quota_returns(
+        kueue, kubectl, namespace, operator, tmp_path):
+    # The recipe, with the borrower needing 3 workers and checkpointing to a claim: Kueue's
+    # reclaim of 2 leaves it 2, under its minimum. It writes a checkpoint with all 4 workers
+    # (the 2 preempted inside their grace period), lets go of its pods and waits; when team b's
+    # job ends it continues from that checkpoint, no step lost and none trained twice.
+    devcluster = kueue
+    op, runner = operator
+    op.stop()
+    op.env["DYNATRAIN_GANG_WAIT_S"] = "8"        # the 2 GPUs it gets back while waiting go fast
+    op.start()
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    on = partial(running_on, custom, namespace)
+    pool = namespace
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(yaml.safe_dump_all(_queues(namespace)))
+    kubectl("apply", "-f", str(queues))
+    claim(core, namespace, "parked")
+    nodes = []
+    try:
+        for i in range(2):
+            nodes += add_nodes(core, _pool(40 + i, pool))
+        borrower = _recipe_job("borrower", pool)
+        borrower["spec"]["elastic"]["minWorkers"] = 3
+        borrower["spec"]["checkpoint"] = {"claimName": "parked", "path": "/checkpoints",
+                                          "intervalSteps": 100000}
+        apply(kubectl, namespace, tmp_path, borrower)
+        wait("the borrower on 4 workers", on("borrower", 4), timeout=240)
+        wait("a few steps trained", lambda: get(custom, namespace, "borrower")["status"].get(
+            "step", 0) >= 3, timeout=120)
+
+        apply(kubectl, namespace, tmp_path, _recipe_job("owner", pool))
+        st = wait("the borrower parked at a checkpoint", lambda: (
+            lambda s: s if s.get("suspension") else None)(
+            get(custom, namespace, "borrower").get("status", {})), timeout=180)
+        held = st["suspension"]
+        cond = condition(custom, namespace, "borrower", "Suspended")
+        assert (cond["status"], cond["reason"]) == ("True", "BelowMinimum"), cond
+        assert "minWorkers=3" in cond["message"], cond
+        assert held["checkpoint"].startswith(str(runner.claim_dir(namespace, "parked"))), held
+        notices = [e.message for e in events(core, namespace, "borrower")
+                   if e.reason == "Preemption"]
+        assert any("Kueue" in m for m in notices), notices
+        wait("team b's job on its 2 workers", on("owner", 2), timeout=240)
+        assert get(custom, namespace, "borrower")["status"]["phase"] == "Pending"
+
+        kubectl("delete", "dynatrainjob", "owner", "-n", namespace, "--wait=false")
+        st = wait("the borrower back on 4 workers", on("borrower", 4), timeout=300)
+        assert "suspension" not in st, st
+        assert f"started from checkpoint {held['checkpoint']} at step {held['step']}" \
+            in op.logs(), op.logs()[-3000:]
+        reasons = [e.reason for e in events(core, namespace, "borrower")]
+        assert "Resumed" in reasons and "Failed" not in reasons, reasons
+        data = wait("the data audit past the resume", audited_past(
+            custom, namespace, "borrower", held["step"]), timeout=120)
+        assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
+    finally:
+        remove_jobs(kubectl, core, namespace, ("borrower", "owner"), nodes)
         kubectl("delete", "-f", str(queues), "--wait=false", check=False)

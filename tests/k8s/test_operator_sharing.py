@@ -9,14 +9,16 @@ places the pods; the operator only reads where they run and which ones wait.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import pytest
 from kubernetes import client
 
 from dynatrain.devcluster.nodes import add_nodes
-from harness.operator_process import (apply, audited_past, condition, events, get, job, job_pods,
-                                     on_pool, remove_jobs, running_on, pool_node, wait)
+from harness.operator_process import (apply, audited_past, claim, condition, events, get, job,
+                                     job_pods, on_pool, remove_jobs, running_on, pool_node,
+                                     wait)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -135,6 +137,86 @@ def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_e
 
         data = wait("the data audit past the regrowth", audited_past(
             custom, namespace, "low", st["lastSwitch"]["step"]), timeout=120)
+        assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
+    finally:
+        remove_jobs(kubectl, core, namespace, ("low", "high"), nodes)
+        for cls in (low_cls, high_cls):
+            sched.delete_priority_class(cls)
+
+
+@pytest.mark.timeout(600)        # two jobs to start, a park and a resume on a small machine
+def test_a_low_priority_job_pushed_under_its_minimum_waits_at_a_checkpoint_and_resumes(
+        devcluster, kubectl, namespace, operator, tmp_path):
+    """The scheduler preempts two of a low-priority job's four workers for a high-priority
+    job, which leaves it under its minimum of 3: it writes a checkpoint with every worker
+    (those preempted still run in their grace period), holds no GPUs while it cannot train,
+    and, when the high-priority job ends, continues from that checkpoint: no step lost, none
+    trained twice."""
+    op, runner = operator
+    core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
+    on = partial(running_on, custom, namespace)
+    sched = client.SchedulingV1Api(devcluster.api_client())
+    pool = namespace
+    low_cls, high_cls = f"{namespace}-low", f"{namespace}-high"
+    for cls, value in ((low_cls, 100), (high_cls, 100000)):
+        sched.create_priority_class(client.V1PriorityClass(
+            metadata=client.V1ObjectMeta(name=cls), value=value))
+    claim(core, namespace, "parked")
+    nodes = []
+    try:
+        for i in range(2):                                 # 4 GPUs
+            nodes += add_nodes(core, _pool(20 + i, pool))
+        low = _elastic("low", pool)
+        low["spec"]["elastic"]["minWorkers"] = 3
+        # Periodic checkpoints far apart: the one the job continues from is its park's.
+        low["spec"]["checkpoint"] = {"claimName": "parked", "path": "/checkpoints",
+                                     "intervalSteps": 100000}
+        low["spec"]["template"]["spec"]["priorityClassName"] = low_cls
+        apply(kubectl, namespace, tmp_path, low)
+        st = wait("the low-priority job on all 4 GPUs", on("low", 4), timeout=240)
+        wait("a few steps trained", lambda: get(custom, namespace, "low")["status"].get(
+            "step", 0) >= 3, timeout=120)
+
+        high = _elastic("high", pool)
+        high["spec"]["elastic"]["maxWorkers"] = 2
+        high["spec"]["template"]["spec"]["priorityClassName"] = high_cls
+        apply(kubectl, namespace, tmp_path, high)
+
+        def parked():
+            st = get(custom, namespace, "low").get("status", {})
+            return st if st.get("suspension") else None
+        st = wait("the low-priority job parked at a checkpoint", parked, timeout=180)
+        held = st["suspension"]
+        cond = condition(custom, namespace, "low", "Suspended")
+        assert cond["status"] == "True" and cond["reason"] == "BelowMinimum", cond
+        assert "minWorkers=3" in cond["message"] and f"step {held['step']}" in \
+            cond["message"], cond
+        assert st["phase"] == "Pending", st
+        assert held["checkpoint"].startswith(str(runner.claim_dir(namespace, "parked"))), held
+        wait("the high-priority job on 2 workers", on("high", 2), timeout=240)
+        # While it cannot reach its minimum it holds no GPU: only the high job's pods run.
+        def low_placed():
+            return [p.metadata.name for p in job_pods(core, namespace, "low")
+                    if p.spec.node_name and p.metadata.deletion_timestamp is None
+                    and p.status.phase == "Running"]
+        wait("the low job holding no GPU", lambda: not low_placed(), timeout=120)
+        time.sleep(5)
+        assert not low_placed() and get(custom, namespace, "low")["status"]["step"] == \
+            held["step"]
+        reasons = [e.reason for e in events(core, namespace, "low")]
+        assert "BelowMinimum" in reasons and "Failed" not in reasons, reasons
+
+        kubectl("delete", "dynatrainjob", "high", "-n", namespace, "--wait=false")
+        st = wait("the low-priority job back on 4 workers", on("low", 4), timeout=300)
+        assert "suspension" not in st, st
+        assert f"started from checkpoint {held['checkpoint']} at step {held['step']}" \
+            in op.logs(), op.logs()[-3000:]
+        cond = condition(custom, namespace, "low", "Suspended")
+        assert cond["status"] == "False" and cond["reason"] == "Resumed", cond
+        assert "Resumed" in [e.reason for e in events(core, namespace, "low")]
+        # Nothing trained twice, nothing skipped: the audit runs on from the checkpoint.
+        data = wait("the data audit past the resume", audited_past(
+            custom, namespace, "low", held["step"]), timeout=120)
         assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
     finally:
         remove_jobs(kubectl, core, namespace, ("low", "high"), nodes)
