@@ -49,6 +49,14 @@ def _queues(namespace: str) -> list[dict]:
     return docs
 
 
+def _apply_queues(kubectl, namespace: str, tmp_path, docs: list[dict] | None = None):
+    """``kubectl apply`` of the recipe's queues (or ``docs``); the file, to delete them by."""
+    queues = tmp_path / "queues.yaml"
+    queues.write_text(yaml.safe_dump_all(docs or _queues(namespace)))
+    kubectl("apply", "-f", str(queues))
+    return queues
+
+
 def _pool(index: int, pool: str):
     return pool_node("kueue", index, pool)
 
@@ -65,9 +73,7 @@ def test_kueue_reclaims_borrowed_quota_by_preemption_and_the_job_shrinks_live_an
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     on = partial(running_on, custom, namespace)
     pool = namespace
-    queues = tmp_path / "queues.yaml"
-    queues.write_text(yaml.safe_dump_all(_queues(namespace)))
-    kubectl("apply", "-f", str(queues))
+    queues = _apply_queues(kubectl, namespace, tmp_path)
     nodes = []
     try:
         for i in range(2):
@@ -144,9 +150,7 @@ def test_a_job_that_cannot_reach_its_minimum_lets_go_of_what_kueue_admitted(
     cq = next(d for d in docs if d["kind"] == "ClusterQueue")
     cq["spec"].pop("cohortName")
     cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2]["nominalQuota"] = 3
-    queues = tmp_path / "queues.yaml"
-    queues.write_text(yaml.safe_dump_all(docs))
-    kubectl("apply", "-f", str(queues))
+    queues = _apply_queues(kubectl, namespace, tmp_path, docs)
     names = ("first", "second", "third")
     nodes = []
     try:
@@ -204,9 +208,7 @@ def test_kueue_taking_a_job_under_its_minimum_parks_it_at_a_checkpoint_until_quo
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     on = partial(running_on, custom, namespace)
     pool = namespace
-    queues = tmp_path / "queues.yaml"
-    queues.write_text(yaml.safe_dump_all(_queues(namespace)))
-    kubectl("apply", "-f", str(queues))
+    queues = _apply_queues(kubectl, namespace, tmp_path)
     claim(core, namespace, "parked")
     nodes = []
     try:

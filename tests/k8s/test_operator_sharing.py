@@ -27,6 +27,19 @@ def _pool(index: int, pool: str):
     return pool_node("share", index, pool)
 
 
+@pytest.fixture
+def priorities(devcluster, namespace):
+    """Two PriorityClasses of this test's own, (low, high), deleted after it."""
+    sched = client.SchedulingV1Api(devcluster.api_client())
+    names = (f"{namespace}-low", f"{namespace}-high")
+    for cls, value in zip(names, (100, 100000)):
+        sched.create_priority_class(client.V1PriorityClass(
+            metadata=client.V1ObjectMeta(name=cls), value=value))
+    yield names
+    for cls in names:
+        sched.delete_priority_class(cls)
+
+
 def _elastic(name: str, pool: str) -> dict:
     doc = job(name, gpus=1, max_workers=4)
     doc["spec"]["elastic"]["minWorkers"] = 2
@@ -98,15 +111,11 @@ def test_equal_jobs_share_the_pool_and_a_third_takes_its_minimum_by_live_shrinks
 
 @pytest.mark.timeout(600)        # several jobs to start and switch on a small machine
 def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_ends(
-        devcluster, kubectl, namespace, operator, tmp_path):
+        devcluster, kubectl, namespace, operator, tmp_path, priorities):
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     on = partial(running_on, custom, namespace)
-    sched = client.SchedulingV1Api(devcluster.api_client())
     pool = namespace
-    low_cls, high_cls = f"{namespace}-low", f"{namespace}-high"
-    for cls, value in ((low_cls, 100), (high_cls, 100000)):
-        sched.create_priority_class(client.V1PriorityClass(
-            metadata=client.V1ObjectMeta(name=cls), value=value))
+    low_cls, high_cls = priorities
     nodes = []
     try:
         for i in range(2):                                 # 4 GPUs
@@ -140,13 +149,11 @@ def test_a_high_priority_job_makes_a_low_one_shrink_live_and_grow_back_when_it_e
         assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
     finally:
         remove_jobs(kubectl, core, namespace, ("low", "high"), nodes)
-        for cls in (low_cls, high_cls):
-            sched.delete_priority_class(cls)
 
 
 @pytest.mark.timeout(600)        # two jobs to start, a park and a resume on a small machine
 def test_a_low_priority_job_pushed_under_its_minimum_waits_at_a_checkpoint_and_resumes(
-        devcluster, kubectl, namespace, operator, tmp_path):
+        devcluster, kubectl, namespace, operator, tmp_path, priorities):
     """The scheduler preempts two of a low-priority job's four workers for a high-priority
     job, which leaves it under its minimum of 3: it writes a checkpoint with every worker
     (those preempted still run in their grace period), holds no GPUs while it cannot train,
@@ -155,12 +162,8 @@ def test_a_low_priority_job_pushed_under_its_minimum_waits_at_a_checkpoint_and_r
     op, runner = operator
     core, custom = devcluster.core(), client.CustomObjectsApi(devcluster.api_client())
     on = partial(running_on, custom, namespace)
-    sched = client.SchedulingV1Api(devcluster.api_client())
     pool = namespace
-    low_cls, high_cls = f"{namespace}-low", f"{namespace}-high"
-    for cls, value in ((low_cls, 100), (high_cls, 100000)):
-        sched.create_priority_class(client.V1PriorityClass(
-            metadata=client.V1ObjectMeta(name=cls), value=value))
+    low_cls, high_cls = priorities
     claim(core, namespace, "parked")
     nodes = []
     try:
@@ -220,5 +223,3 @@ def test_a_low_priority_job_pushed_under_its_minimum_waits_at_a_checkpoint_and_r
         assert data["exactlyOnce"] and data["retrainedSteps"] == 0, data
     finally:
         remove_jobs(kubectl, core, namespace, ("low", "high"), nodes)
-        for cls in (low_cls, high_cls):
-            sched.delete_priority_class(cls)
