@@ -135,7 +135,8 @@ def hardware_of(job, nodes: list[k.NodeInfo]) -> tuple[DeviceProfile, bool, str,
         return (smallest, False, "MixedGPUs",
                 f"workers run on {', '.join(sorted(known))}"
                 + (f" and unlabelled node(s) {', '.join(unknown)}" if unknown else "")
-                + f": planned for {smallest.name}, the one with the least memory")
+                + f": planned for {smallest.name}, the one with the least memory; a pipeline "
+                "gets stages of one GPU model each, layers in proportion to their speed")
     return smallest, True, "FromNodeLabels", f"{smallest.name} ({GPU_PRODUCT_LABEL})"
 
 
@@ -448,6 +449,13 @@ class JobRuntime:
         if not placed:
             return
         profile, ok, reason, text = hardware_of(self.job, placed)
+        # Each worker's own GPU speed where its node's labels name one (and the job does not
+        # set spec.hardware.profile): workers on different GPU models get pipeline stages of
+        # like devices, weighted by speed (controller/mixed.py).
+        self.controller.device_speeds = {} if _hardware_override(self.job) else {
+            w.device: found.flops_per_second for w in workers.values()
+            if w.node in nodes and (found := profile_for_node_labels(
+                dict(nodes[w.node].gpu_labels))) is not None}
         if self.controller.profile.name != profile.name:
             self.log(f"job {self.name}: layouts priced for {profile.name}: {text}")
         self.controller.profile = profile

@@ -102,6 +102,8 @@ class JobController:
         self.share: Share | None = None
         """This job's share of a pool shared with other jobs (:mod:`.share`), where the front
         end divides one (the operator); None: nothing bounds it but its own spec."""
+        self.device_speeds: dict[int, float] = {}
+        """device -> FLOP/s of its GPU, where the front end knows it (:mod:`.mixed`)."""
         self.device_nodes: dict[int, str] = {}
         """device -> the node it runs on, where the front end knows it (a cluster's pods'
         ``spec.nodeName``): a rank's mirror goes to another node. A device never moves."""
@@ -417,7 +419,7 @@ class JobController:
             finished=self.progress.finished, last_step_at=self._last_step_at,
             give_up_s=self.timeouts.give_up_s, interrupted_since=self.interrupted_since,
             recover_in_memory=self.recover_in_memory,
-            wait_below_minimum=self.wait_below_minimum,
+            wait_below_minimum=self.wait_below_minimum, speeds=dict(self.device_speeds),
             request=decide.Request(req.layout) if req is not None else None,
             measurement=self.measurements.get(self.generation_running),
             switch_cost_s=self._last_pause_s,

@@ -17,8 +17,10 @@ network and no process of its own:
 - :func:`exit_is_failure`: whether a worker that exited, or whose pod is gone, failed (the
   local runner and the operator ask);
 - :func:`choose_restore`: where a recovery restores from (which step, which mirrors);
-- :func:`rebalance`, :func:`balanced_stages`: when the measured pipeline stages are uneven
-  (:mod:`.measured`), move layers between them, live (reason ``rebalance``).
+- :func:`rebalance` (with :func:`.mixed.balanced_stages`): when the measured pipeline stages
+  are uneven (:mod:`.measured`), move layers between them, live (reason ``rebalance``);
+- devices of different speeds (:attr:`View.speeds`) get stages of like devices, weighted
+  (:mod:`.mixed`).
 
 The module imports no grpc, kubernetes or torch (a contract in pyproject.toml says so), so its
 rules are tested as tables of cases in milliseconds (tests/controller/test_decide.py), apart
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from dynatrain.vps.layout import Layout, default_stages, layout_problems
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
+from . import mixed
+from .mixed import balanced_stages
 from .costmodel import SolverError, estimate
 from .measured import Measurement
 from dynatrain.spec.hardware import DeviceProfile
@@ -84,6 +88,9 @@ class View:
     share: int | None = None
     """The most workers the job may hold while its pool is contended (:mod:`.share`), or
     None when it binds nothing."""
+    speeds: dict[int, float] = field(default_factory=dict)
+    """Device -> its speed (FLOP/s of its node's GPU, where the front end knows it): devices
+    of different speeds get pipeline stages of like devices, weighted (:mod:`.mixed`)."""
     wait_below_minimum: bool = False
     """Pushed under its minimum by notices, the job waits at a checkpoint instead of failing
     (the front end can hold it: the operator, for a job with ``spec.checkpoint``)."""
@@ -204,25 +211,11 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
             return Switch(Decision(target, "rebalance", estimate(
                 job.model, target, profile, **estimate_kwargs(job))))
         return Idle(answer=answer)
+    if v.speeds:
+        layout = mixed.weigh(job, decision.layout, v.speeds, profile, estimate_kwargs(job))
+        if layout is not decision.layout:
+            decision = replace(decision, layout=layout)
     return Switch(decision, answer)
-
-
-def balanced_stages(stage_compute: tuple[float, ...], stages: tuple[int, ...]
-                    ) -> tuple[int, ...]:
-    """The split of the same layers between the same stages that minimises the slowest
-    stage, if each layer of stage i costs what stage i measured per layer
-    (``stage_compute[i] / stages[i]``: the device's speed and the layers' mix as measured).
-    One layer at a time goes to the stage it slows least: optimal for this min-max (each
-    stage's cost grows linearly with its layers). Ties go to the earlier stage."""
-    if len(stage_compute) != len(stages) or not stages or min(stages) < 1:
-        raise ValueError(f"stage_compute {stage_compute} and stages {stages} must name the "
-                         "same stages, each with at least one layer")
-    per_layer = [c / n for c, n in zip(stage_compute, stages)]
-    split = [1] * len(stages)
-    for _ in range(sum(stages) - len(stages)):
-        i = min(range(len(split)), key=lambda k: ((split[k] + 1) * per_layer[k], k))
-        split[i] += 1
-    return tuple(split)
 
 
 def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
