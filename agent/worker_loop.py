@@ -448,7 +448,8 @@ class TrainingLoop:
                             end_time=time.time(),
                             compute_seconds=r.phases.get("compute", 0.0),
                             communication_seconds=r.phases.get("communication", 0.0),
-                            redundancy_seconds=r.phases.get("redundancy", 0.0))
+                            redundancy_seconds=r.phases.get("redundancy", 0.0),
+                            expert_tokens=r.expert_tokens)
         with self.control.lock:
             self.control.records.append(rec)
             self.control.tokens_per_second = r.tokens_per_second

@@ -138,7 +138,7 @@ class StatusRequest(_message.Message):
     def __init__(self, since_step: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time", "compute_seconds", "communication_seconds", "redundancy_seconds")
+    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time", "compute_seconds", "communication_seconds", "redundancy_seconds", "expert_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class StepRecord(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMMUNICATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REDUNDANCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     seconds: float
@@ -161,7 +162,8 @@ class StepRecord(_message.Message):
     compute_seconds: float
     communication_seconds: float
     redundancy_seconds: float
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., communication_seconds: _Optional[float] = ..., redundancy_seconds: _Optional[float] = ...) -> None: ...
+    expert_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., communication_seconds: _Optional[float] = ..., redundancy_seconds: _Optional[float] = ..., expert_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SwitchReport(_message.Message):
     __slots__ = ("generation", "from_layout", "to_layout", "step", "pause_seconds", "bytes_sent", "bytes_received")

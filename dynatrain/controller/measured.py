@@ -12,6 +12,11 @@ controller logs, exports and keeps in the run's report:
 - :meth:`StepCosts.stage_compute`: a pipeline stage's compute is that of its slowest device
   (the stage's other ranks wait for it in their collectives), so uneven stages show as
   unequal figures here, and their ratio to the mean as :attr:`Measurement.imbalance`;
+- :meth:`StepCosts.add_experts`: an MoE job's tokens per expert, summed over the generation's
+  steps and its data-parallel ranks, so :attr:`Measurement.expert_skew` (the busiest expert
+  over the mean) and :attr:`Measurement.ep_imbalance` (the busiest expert-parallel rank's
+  experts over the mean rank's: the rank the others wait for in the token exchange) show
+  routing that a uniform cost model cannot see;
 - :func:`measure`: the smoothed step time of the job (its slowest device) over the cost
   model's prediction for the running layout, the calibration ratio a planner would scale its
   estimates by.
@@ -74,6 +79,10 @@ class Measurement:
     """Each pipeline stage's smoothed compute seconds per step (its slowest device's)."""
     communication_seconds: float
     """The slowest device's smoothed wait in collectives and pipeline exchanges."""
+    expert_tokens: tuple[int, ...] = ()
+    """MoE: tokens routed to each expert over the generation (every layer, every rank)."""
+    ep: int = 1
+    """The layout's expert-parallel degree (rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``)."""
 
     @property
     def ratio(self) -> float:
@@ -86,8 +95,28 @@ class Measurement:
         mean = sum(self.stage_compute) / len(self.stage_compute)
         return max(self.stage_compute) / mean if mean > 0 else 1.0
 
+    @property
+    def expert_skew(self) -> float:
+        """The busiest expert's tokens over the mean expert's (1.0: even routing, or dense)."""
+        t = self.expert_tokens
+        return max(t) * len(t) / sum(t) if t and sum(t) else 1.0
+
+    @property
+    def ep_imbalance(self) -> float:
+        """The busiest expert-parallel rank's tokens over the mean rank's (1.0 with ep=1)."""
+        t, ep = self.expert_tokens, self.ep
+        if ep < 2 or not t or not sum(t) or len(t) % ep:
+            return 1.0
+        per = len(t) // ep
+        ranks = [sum(t[r * per:(r + 1) * per]) for r in range(ep)]
+        return max(ranks) * ep / sum(ranks)
+
     def summary(self) -> dict:
-        return {"generation": self.generation, "layout": self.layout, "steps": self.steps,
+        experts = {"expert_tokens": list(self.expert_tokens),
+                   "expert_skew": round(self.expert_skew, 4),
+                   "ep_imbalance": round(self.ep_imbalance, 4)} if self.expert_tokens else {}
+        return {**experts,
+                "generation": self.generation, "layout": self.layout, "steps": self.steps,
                 "step_seconds": round(self.step_seconds, 6),
                 "predicted_seconds": round(self.predicted_seconds, 6),
                 "ratio": round(self.ratio, 4),
@@ -101,7 +130,9 @@ class Measurement:
         stages = "/".join(f"{s:.3f}" for s in self.stage_compute)
         return (f"measured {self.layout}: step {self.step_seconds:.3f} s{predicted}; "
                 f"stage compute {stages} s (imbalance {self.imbalance:.2f}), communication "
-                f"{self.communication_seconds:.3f} s, over {self.steps} steps")
+                f"{self.communication_seconds:.3f} s, over {self.steps} steps"
+                + (f"; experts' tokens max/mean {self.expert_skew:.2f}, over the {self.ep} EP "
+                   f"ranks {self.ep_imbalance:.2f}" if self.expert_tokens else ""))
 
 
 class StepCosts:
@@ -113,6 +144,8 @@ class StepCosts:
         self.alpha = alpha
         self.generation = 0
         self.devices: dict[int, DeviceCost] = {}
+        self.expert_tokens: list[int] = []
+        """Tokens per expert summed over the generation's step records (MoE)."""
 
     def add(self, device: int, generation: int, values: dict[str, float]) -> None:
         """One step record of ``device`` in ``generation`` (``values``: seconds per part of
@@ -121,11 +154,24 @@ class StepCosts:
         if generation < self.generation:
             return
         if generation > self.generation:
-            self.generation, self.devices = generation, {}
+            self.generation, self.devices, self.expert_tokens = generation, {}, []
         unknown = set(values) - set(PARTS)
         if unknown:
             raise ValueError(f"step parts {sorted(unknown)} are not among {PARTS}")
         self.devices.setdefault(device, DeviceCost()).add(values, self.alpha)
+
+    def add_experts(self, generation: int, tokens) -> None:
+        """One step record's tokens per expert (MoE; sent by TP index 0 of each data-parallel
+        rank and stage), added to the generation's sums. A record of another generation than
+        the one :meth:`add` last saw is ignored."""
+        if generation != self.generation or not tokens:
+            return
+        if not self.expert_tokens:
+            self.expert_tokens = [0] * len(tokens)
+        if len(tokens) != len(self.expert_tokens):
+            raise ValueError(f"{len(tokens)} experts reported, {len(self.expert_tokens)} "
+                             "before in the same generation")
+        self.expert_tokens = [a + int(b) for a, b in zip(self.expert_tokens, tokens)]
 
     def steps(self, layout: Layout) -> int:
         """The fewest steps counted by any device of ``layout`` (0 if one has none)."""
@@ -151,4 +197,5 @@ class StepCosts:
         devices = layout.device_of
         return Measurement(self.generation, layout.to_text(), steps,
                            self._slowest(devices, "step"), predicted_seconds,
-                           self.stage_compute(layout), self._slowest(devices, "communication"))
+                           self.stage_compute(layout), self._slowest(devices, "communication"),
+                           tuple(self.expert_tokens), layout.ep)

@@ -86,6 +86,12 @@ class StageModel:
         self.recompute = recompute
         """Activation checkpointing: recompute each block in the backward pass instead of
         keeping its activations."""
+        self.tally: torch.Tensor | None = None
+        """(num_experts,) int64 the MoE layers add their routed tokens to while the trainer
+        counts (a training step), or None."""
+        self._forward = False
+        """Inside :meth:`blocks`: a block's recomputation in the backward pass is not, so
+        activation checkpointing does not count a step's tokens twice."""
         self._rope = None
 
     # -- pieces ------------------------------------------------------------------------------
@@ -126,7 +132,8 @@ class StageModel:
                                w[f"{p}.moe.experts.up"], w[f"{p}.moe.experts.down"],
                                top_k=self.m.experts_top_k, num_experts=self.m.num_experts,
                                normalize=self.m.moe_norm_topk,
-                               tp_group=tp, ep_group=self.g.ep, ep=self.ep)
+                               tp_group=tp, ep_group=self.g.ep, ep=self.ep,
+                               tally=self.tally if self._forward else None)
         x = copy_to_tp(h, tp)
         if self.m.arch == "gpt":
             a = F.gelu(F.linear(x, w[f"{p}.mlp.fc1.weight"], w[f"{p}.mlp.fc1.bias"]),
@@ -148,6 +155,13 @@ class StageModel:
         return x + self._mlp(self._norm(x, w, f"{p}.mlp_norm"), w, p)
 
     def blocks(self, x: torch.Tensor, w: dict) -> torch.Tensor:
+        self._forward = True
+        try:
+            return self._blocks(x, w)
+        finally:
+            self._forward = False
+
+    def _blocks(self, x: torch.Tensor, w: dict) -> torch.Tensor:
         for i in self.layers:
             if self.recompute and torch.is_grad_enabled():
                 # The reentrant variant keeps the block input through save_for_backward, so

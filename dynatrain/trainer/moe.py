@@ -49,8 +49,11 @@ def _expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
 
 def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                 down: torch.Tensor, *, top_k: int, num_experts: int, tp_group, ep_group,
-                ep: int, normalize: bool = True) -> torch.Tensor:
-    """h: (B, T, H) replicated over TP; gate/up: (E_local, F_local, H); down: (E_local, H, F_local)."""
+                ep: int, normalize: bool = True, tally: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """h: (B, T, H) replicated over TP; gate/up: (E_local, F_local, H); down: (E_local, H, F_local).
+    ``tally`` (E,) int64, if given, gains the tokens routed to each expert (the measured load
+    the controller reads: which experts, so which EP ranks, are hot)."""
     B, T, H = h.shape
     x = h.reshape(-1, H)                                             # (N, H)
     N, k = x.shape[0], top_k
@@ -61,6 +64,8 @@ def moe_forward(h: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: t
     weights = weights.to(h.dtype)
 
     pair_expert = experts.reshape(-1)                                # (N*k,), token-major
+    if tally is not None:
+        tally += torch.bincount(pair_expert, minlength=num_experts)
     order = torch.argsort(pair_expert, stable=True)
     sorted_expert = pair_expert[order]
     tokens = copy_to_tp(x, tp_group)[order // k]                     # (P, H) sorted by expert

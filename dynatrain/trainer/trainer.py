@@ -106,6 +106,9 @@ class StepResult:
     activation_bytes: int = 0
     """This rank's peak bytes of tensors saved for backward during the step, when
     :attr:`Trainer.measure_activations` is on (:class:`.activations.ActivationMeter`); else 0."""
+    expert_tokens: tuple[int, ...] = ()
+    """MoE: the tokens this rank's micro-batches routed to each expert (global index), over
+    its stage's layers; reported by TP index 0 only (the others route the same tokens)."""
 
 
 class Trainer:
@@ -262,6 +265,9 @@ class Trainer:
                                 self.lay.dp, g.dp_index, cfg.micro_batch_size)
         scale = 1.0 / (len(batches) * self.lay.dp)
         run = self._one_f_one_b if self.lay.schedule == "1f1b" else self._gpipe
+        if self.model.is_moe and g.tp_index == 0:
+            self.stage.tally = torch.zeros(self.model.num_experts, dtype=torch.int64,
+                                           device=self.device)
         c0, cw0 = time.perf_counter(), waited_seconds()
         if self.measure_activations:
             with ActivationMeter(exclude=[*w.values(), *self.params.values()]) as meter:
@@ -269,6 +275,7 @@ class Trainer:
             activation_bytes = meter.peak_bytes
         else:
             losses, activation_bytes = run(batches, scale), 0
+        tally, self.stage.tally = self.stage.tally, None
         if self.slowdown > 1.0:               # a simulated slower device (vps.faults.slowdown)
             compute = (time.perf_counter() - c0) - (waited_seconds() - cw0)
             time.sleep((self.slowdown - 1.0) * max(0.0, compute))
@@ -311,7 +318,8 @@ class Trainer:
                   "communication": communication, "redundancy": mirror_seconds}
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,
                           float(report[1]), samples, grad_norm, self.lr, phases,
-                          activation_bytes)
+                          activation_bytes,
+                          tuple(tally.tolist()) if tally is not None else ())
 
     # -- pipeline schedules --------------------------------------------------------------------
     # Messages between neighbouring stages: activations forward under tag 0, their gradients

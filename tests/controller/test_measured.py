@@ -4,6 +4,8 @@ figures is in test_run.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dynatrain.controller.measured import MIN_STEPS, StepCosts
@@ -79,3 +81,39 @@ def test_bad_input_is_named():
         StepCosts(alpha=0)
     with pytest.raises(ValueError, match=r"\['wait'\] are not among"):
         StepCosts().add(0, 1, {"step": 1.0, "wait": 0.5})
+
+
+def test_an_moe_jobs_tokens_per_expert_show_its_skew_and_its_busiest_ep_rank():
+    # 4 experts, ep=2: rank 0 holds experts 0-1, rank 1 experts 2-3. Two data-parallel ranks
+    # report each step; the sums run over the generation.
+    lay = parse_layout("dp=2,ep=2").with_devices([0, 1])
+    costs = StepCosts(alpha=1.0)
+    for _ in range(1 + MIN_STEPS):
+        for device, tokens in ((0, (10, 20, 5, 5)), (1, (20, 10, 5, 5))):
+            costs.add(device, 3, _step(0.1, 0.1))
+            costs.add_experts(3, tokens)
+    m = costs.measurement(lay, predicted_seconds=0.1)
+    steps = 1 + MIN_STEPS
+    assert m.expert_tokens == (30 * steps, 30 * steps, 10 * steps, 10 * steps) and m.ep == 2
+    assert m.expert_skew == pytest.approx(30 / 20)              # busiest 30 of a mean 20
+    assert m.ep_imbalance == pytest.approx(60 / 40)             # rank 0: 60 of a mean 40
+    assert m.summary()["ep_imbalance"] == 1.5 and "over the 2 EP ranks 1.50" in str(m)
+    # Even routing over the ranks, skewed within one: the exchange waits for nobody.
+    assert replace(m, expert_tokens=(30, 10, 10, 30)).ep_imbalance == 1.0
+    assert replace(m, ep=1).ep_imbalance == 1.0
+    # A new generation (another layout) counts afresh; a record of an old one is ignored.
+    costs.add(0, 4, _step(0.1, 0.1))
+    costs.add_experts(3, (1, 1, 1, 1))
+    assert costs.expert_tokens == []
+    costs.add_experts(4, (1, 2, 3, 4))
+    assert costs.expert_tokens == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="3 experts reported, 4 before"):
+        costs.add_experts(4, (1, 2, 3))
+    # Dense: nothing reported, nothing shown.
+    dense = StepCosts(alpha=1.0)
+    for _ in range(1 + MIN_STEPS):
+        dense.add(0, 1, _step(0.1, 0.1))
+        dense.add(1, 1, _step(0.1, 0.1))
+        dense.add_experts(1, ())
+    m = dense.measurement(parse_layout("dp=2").with_devices([0, 1]), predicted_seconds=0.1)
+    assert m.expert_tokens == () and "expert_tokens" not in m.summary() and "EP" not in str(m)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness.prometheus_server import PrometheusServer, require_prometheus
 
@@ -201,3 +202,31 @@ def _check_step_lines(run_dir, run) -> None:
         assert loss == pytest.approx(run["losses"][step - 1], abs=1e-6)
     switch_lines = [line for line in lines if "): SWITCH " in line]
     assert len(switch_lines) == len([s for s in run["switches"] if s["from"]]), switch_lines
+
+
+def test_an_moe_run_measures_its_tokens_per_expert(tmp_path):
+    """moe-tiny on dp=2,ep=2: the measurement carries the tokens routed to each of the 8
+    experts, summed over the generation's steps (every step routes global batch x seqLen
+    tokens to top-2 experts in each of 4 layers), and the busiest EP rank's share."""
+    doc = yaml.safe_load(QUICKSTART.read_text())
+    doc["metadata"]["name"] = "moe"
+    doc["spec"].update({"model": {"preset": "moe-tiny"},
+                        "elastic": {"minWorkers": 2, "maxWorkers": 2},
+                        "parallelism": {"mode": "fixed", "layout": "dp=2,ep=2"},
+                        "globalBatchSize": 4})
+    doc["spec"]["training"].update({"steps": 12, "seqLen": 16})
+    job = tmp_path / "moe.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    summary = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, "-m", "dynatrain", "run", str(job), "--summary-json",
+                           str(summary), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (m,) = [m for m in json.loads(summary.read_text())["measurements"]
+            if m["layout"] == "dp=2,tp=1,pp=1,ep=2"]
+    per_step = 4 * 16 * 2 * 4
+    assert len(m["expert_tokens"]) == 8 and sum(m["expert_tokens"]) % per_step == 0, m
+    assert sum(m["expert_tokens"]) >= m["steps"] * per_step, m
+    ranks = [sum(m["expert_tokens"][:4]), sum(m["expert_tokens"][4:])]
+    assert m["ep_imbalance"] == pytest.approx(max(ranks) * 2 / sum(ranks), abs=1e-4), m
+    assert "experts' tokens max/mean" in proc.stdout
