@@ -79,8 +79,9 @@ class Measurement:
     """Each pipeline stage's smoothed compute seconds per step (its slowest device's)."""
     communication_seconds: float
     """The slowest device's smoothed wait in collectives and pipeline exchanges."""
-    expert_tokens: tuple[int, ...] = ()
-    """MoE: tokens routed to each expert over the generation (every layer, every rank)."""
+    stage_expert_tokens: tuple[tuple[int, ...], ...] = ()
+    """MoE: tokens routed to each expert over the generation, per pipeline stage (its layers,
+    every data-parallel rank); () for a dense model."""
     ep: int = 1
     """The layout's expert-parallel degree (rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``)."""
 
@@ -96,6 +97,11 @@ class Measurement:
         return max(self.stage_compute) / mean if mean > 0 else 1.0
 
     @property
+    def expert_tokens(self) -> tuple[int, ...]:
+        """MoE: tokens routed to each expert over the generation (every stage)."""
+        return tuple(map(sum, zip(*self.stage_expert_tokens)))
+
+    @property
     def expert_skew(self) -> float:
         """The busiest expert's tokens over the mean expert's (1.0: even routing, or dense)."""
         t = self.expert_tokens
@@ -103,18 +109,22 @@ class Measurement:
 
     @property
     def ep_imbalance(self) -> float:
-        """The busiest expert-parallel rank's tokens over the mean rank's (1.0 with ep=1)."""
-        t, ep = self.expert_tokens, self.ep
-        if ep < 2 or not t or not sum(t) or len(t) % ep:
-            return 1.0
-        per = len(t) // ep
-        ranks = [sum(t[r * per:(r + 1) * per]) for r in range(ep)]
-        return max(ranks) * ep / sum(ranks)
+        """The busiest expert-parallel rank's tokens over the mean rank's (1.0 with ep=1),
+        over all stages."""
+        return _ep_imbalance(self.expert_tokens, self.ep)
+
+    @property
+    def stage_ep_imbalance(self) -> tuple[float, ...]:
+        """:attr:`ep_imbalance` of each pipeline stage's own layers: the stage whose busiest
+        EP rank carries the most is the one its routing slows."""
+        return tuple(_ep_imbalance(t, self.ep) for t in self.stage_expert_tokens)
 
     def summary(self) -> dict:
         experts = {"expert_tokens": list(self.expert_tokens),
                    "expert_skew": round(self.expert_skew, 4),
-                   "ep_imbalance": round(self.ep_imbalance, 4)} if self.expert_tokens else {}
+                   "ep_imbalance": round(self.ep_imbalance, 4),
+                   "stage_ep_imbalance": [round(x, 4) for x in self.stage_ep_imbalance]
+                   } if self.stage_expert_tokens else {}
         return {**experts,
                 "generation": self.generation, "layout": self.layout, "steps": self.steps,
                 "step_seconds": round(self.step_seconds, 6),
@@ -132,7 +142,20 @@ class Measurement:
                 f"stage compute {stages} s (imbalance {self.imbalance:.2f}), communication "
                 f"{self.communication_seconds:.3f} s, over {self.steps} steps"
                 + (f"; experts' tokens max/mean {self.expert_skew:.2f}, over the {self.ep} EP "
-                   f"ranks {self.ep_imbalance:.2f}" if self.expert_tokens else ""))
+                   f"ranks {self.ep_imbalance:.2f}" + (
+                       " (by stage " + "/".join(f"{x:.2f}" for x in self.stage_ep_imbalance)
+                       + ")" if len(self.stage_expert_tokens) > 1 else "")
+                   if self.stage_expert_tokens else ""))
+
+
+def _ep_imbalance(tokens: tuple[int, ...], ep: int) -> float:
+    """The busiest of ``ep`` ranks over the mean, rank ``r`` holding experts
+    ``[r*E/ep, (r+1)*E/ep)`` (1.0 for ep=1, no tokens, or experts ep does not divide)."""
+    if ep < 2 or not tokens or not sum(tokens) or len(tokens) % ep:
+        return 1.0
+    per = len(tokens) // ep
+    ranks = [sum(tokens[r * per:(r + 1) * per]) for r in range(ep)]
+    return max(ranks) * ep / sum(ranks)
 
 
 class StepCosts:
@@ -144,8 +167,8 @@ class StepCosts:
         self.alpha = alpha
         self.generation = 0
         self.devices: dict[int, DeviceCost] = {}
-        self.expert_tokens: list[int] = []
-        """Tokens per expert summed over the generation's step records (MoE)."""
+        self.expert_tokens: dict[int, list[int]] = {}
+        """Device -> its tokens per expert summed over the generation's step records (MoE)."""
 
     def add(self, device: int, generation: int, values: dict[str, float]) -> None:
         """One step record of ``device`` in ``generation`` (``values``: seconds per part of
@@ -154,24 +177,36 @@ class StepCosts:
         if generation < self.generation:
             return
         if generation > self.generation:
-            self.generation, self.devices, self.expert_tokens = generation, {}, []
+            self.generation, self.devices, self.expert_tokens = generation, {}, {}
         unknown = set(values) - set(PARTS)
         if unknown:
             raise ValueError(f"step parts {sorted(unknown)} are not among {PARTS}")
         self.devices.setdefault(device, DeviceCost()).add(values, self.alpha)
 
-    def add_experts(self, generation: int, tokens) -> None:
+    def add_experts(self, device: int, generation: int, tokens) -> None:
         """One step record's tokens per expert (MoE; sent by TP index 0 of each data-parallel
-        rank and stage), added to the generation's sums. A record of another generation than
-        the one :meth:`add` last saw is ignored."""
+        rank and stage), added to ``device``'s sums. A record of another generation than the
+        one :meth:`add` last saw is ignored."""
         if generation != self.generation or not tokens:
             return
+        known = next(iter(self.expert_tokens.values()), None)
+        if known is not None and len(tokens) != len(known):
+            raise ValueError(f"{len(tokens)} experts reported, {len(known)} before in the "
+                             "same generation")
+        was = self.expert_tokens.get(device) or [0] * len(tokens)
+        self.expert_tokens[device] = [a + int(b) for a, b in zip(was, tokens)]
+
+    def stage_experts(self, layout: Layout) -> tuple[tuple[int, ...], ...]:
+        """Each pipeline stage's tokens per expert: the sums of its devices (() if none
+        reported any: a dense model)."""
         if not self.expert_tokens:
-            self.expert_tokens = [0] * len(tokens)
-        if len(tokens) != len(self.expert_tokens):
-            raise ValueError(f"{len(tokens)} experts reported, {len(self.expert_tokens)} "
-                             "before in the same generation")
-        self.expert_tokens = [a + int(b) for a, b in zip(self.expert_tokens, tokens)]
+            return ()
+        width = len(next(iter(self.expert_tokens.values())))
+        stages = [[0] * width for _ in range(layout.pp)]
+        for rank, device in enumerate(layout.device_of):
+            for e, n in enumerate(self.expert_tokens.get(device, ())):
+                stages[layout.coords(rank)[0]][e] += n
+        return tuple(map(tuple, stages))
 
     def steps(self, layout: Layout) -> int:
         """The fewest steps counted by any device of ``layout`` (0 if one has none)."""
@@ -198,4 +233,4 @@ class StepCosts:
         return Measurement(self.generation, layout.to_text(), steps,
                            self._slowest(devices, "step"), predicted_seconds,
                            self.stage_compute(layout), self._slowest(devices, "communication"),
-                           tuple(self.expert_tokens), layout.ep)
+                           self.stage_experts(layout), layout.ep)

@@ -119,7 +119,7 @@ def ingest(ctl: JobController, device: int, st) -> None:
                 "step": rec.seconds, "compute": rec.compute_seconds,
                 "communication": rec.communication_seconds,
                 "redundancy": rec.redundancy_seconds})
-            ctl.costs.add_experts(rec.generation, rec.expert_tokens)
+            ctl.costs.add_experts(device, rec.generation, rec.expert_tokens)
         p.losses.setdefault(rec.step, rec.loss)
         if rec.end_time:
             p.timeline[rec.step] = (rec.end_time, rec.tokens_per_second)

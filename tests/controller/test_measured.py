@@ -91,7 +91,7 @@ def test_an_moe_jobs_tokens_per_expert_show_its_skew_and_its_busiest_ep_rank():
     for _ in range(1 + MIN_STEPS):
         for device, tokens in ((0, (10, 20, 5, 5)), (1, (20, 10, 5, 5))):
             costs.add(device, 3, _step(0.1, 0.1))
-            costs.add_experts(3, tokens)
+            costs.add_experts(device, 3, tokens)
     m = costs.measurement(lay, predicted_seconds=0.1)
     steps = 1 + MIN_STEPS
     assert m.expert_tokens == (30 * steps, 30 * steps, 10 * steps, 10 * steps) and m.ep == 2
@@ -99,21 +99,40 @@ def test_an_moe_jobs_tokens_per_expert_show_its_skew_and_its_busiest_ep_rank():
     assert m.ep_imbalance == pytest.approx(60 / 40)             # rank 0: 60 of a mean 40
     assert m.summary()["ep_imbalance"] == 1.5 and "over the 2 EP ranks 1.50" in str(m)
     # Even routing over the ranks, skewed within one: the exchange waits for nobody.
-    assert replace(m, expert_tokens=(30, 10, 10, 30)).ep_imbalance == 1.0
+    assert replace(m, stage_expert_tokens=((30, 10, 10, 30),)).ep_imbalance == 1.0
     assert replace(m, ep=1).ep_imbalance == 1.0
     # A new generation (another layout) counts afresh; a record of an old one is ignored.
     costs.add(0, 4, _step(0.1, 0.1))
-    costs.add_experts(3, (1, 1, 1, 1))
-    assert costs.expert_tokens == []
-    costs.add_experts(4, (1, 2, 3, 4))
-    assert costs.expert_tokens == [1, 2, 3, 4]
+    costs.add_experts(0, 3, (1, 1, 1, 1))
+    assert costs.expert_tokens == {}
+    costs.add_experts(0, 4, (1, 2, 3, 4))
+    assert costs.expert_tokens == {0: [1, 2, 3, 4]}
     with pytest.raises(ValueError, match="3 experts reported, 4 before"):
-        costs.add_experts(4, (1, 2, 3))
+        costs.add_experts(1, 4, (1, 2, 3))
     # Dense: nothing reported, nothing shown.
     dense = StepCosts(alpha=1.0)
     for _ in range(1 + MIN_STEPS):
         dense.add(0, 1, _step(0.1, 0.1))
         dense.add(1, 1, _step(0.1, 0.1))
-        dense.add_experts(1, ())
+        dense.add_experts(0, 1, ())
     m = dense.measurement(parse_layout("dp=2").with_devices([0, 1]), predicted_seconds=0.1)
     assert m.expert_tokens == () and "expert_tokens" not in m.summary() and "EP" not in str(m)
+
+
+def test_each_pipeline_stage_shows_its_own_layers_routing():
+    # pp=2, dp=2, ep=2 (ranks: stage 0 devices 4 and 5, stage 1 devices 6 and 7). Stage 0's
+    # layers send most tokens to experts 0-1 (EP rank 0); stage 1's route evenly.
+    costs = StepCosts(alpha=1.0)
+    sent = {4: (30, 30, 5, 5), 5: (25, 25, 10, 10), 6: (10, 10, 10, 10), 7: (10, 10, 10, 10)}
+    for _ in range(1 + MIN_STEPS):
+        for device, tokens in sent.items():
+            costs.add(device, 1, _step(0.1, 0.1))
+            costs.add_experts(device, 1, tokens)
+    m = costs.measurement(parse_layout("dp=2,pp=2,ep=2").with_devices([4, 5, 6, 7]), 0.1)
+    steps = 1 + MIN_STEPS
+    assert m.stage_expert_tokens == ((55 * steps, 55 * steps, 15 * steps, 15 * steps),
+                                     (20 * steps,) * 4)
+    assert m.stage_ep_imbalance == pytest.approx((110 * 2 / 140, 1.0))   # 1.571, 1.0
+    assert m.ep_imbalance == pytest.approx((75 + 75) * 2 / 220)          # all stages: 1.364
+    assert "(by stage 1.57/1.00)" in str(m), str(m)
+    assert m.summary()["stage_ep_imbalance"] == [1.5714, 1.0]
