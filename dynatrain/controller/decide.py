@@ -190,6 +190,11 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
             return Park(why)
         return GiveUp(f"no layout fits the devices left: {why} (on a cluster, a job with "
                       "spec.checkpoint waits at a checkpoint for its minimum instead)")
+    if v.layout is None and v.wait_below_minimum and len(v.usable) < job.min_workers:
+        # Not started (or parked) and short of its minimum, say a start whose workers were
+        # taken meanwhile: a job the front end can hold waits for them rather than failing.
+        return Idle(f"{len(v.usable)} usable workers, fewer than spec.elastic.minWorkers="
+                    f"{job.min_workers}: waiting for them")
     suspects = sorted(d for d in v.members if v.misses.get(d))
     if suspects and not must_leave:
         return Idle(f"devices {suspects} missed Status: the watchdog decides about them first")

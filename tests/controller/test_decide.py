@@ -107,6 +107,11 @@ def test_replay_a_higher_priority_job_takes_the_pool_and_gives_it_back():
     # Parked, it is a job that has not started: the front end asks again once its minimum
     # is up (the operator's start gate), and the first layout fits the workers it then has.
     parked = replace(running, layout=None, usable=(), doomed=frozenset(), step=20)
+    # A start whose workers were taken meanwhile leaves it short again: it waits, not fails.
+    a = act(replace(parked, usable=(4, 5)), job=job)
+    assert isinstance(a, Idle) and "waiting" in a.why, a
+    assert isinstance(act(replace(parked, usable=(4, 5), wait_below_minimum=False), job=job),
+                      GiveUp)
     a = act(replace(parked, usable=(4, 5, 6)), job=job)
     assert isinstance(a, Switch) and a.decision.reason == "start", a
     assert a.decision.layout.world == 3
