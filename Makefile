@@ -102,8 +102,10 @@ bench: setup
 # that switch live and recover from one of them killed, a live switch under `dynatrain run`)
 # pass or fail, and a local-only switch's pause is printed against the GPU's memcpy floor; each
 # check's time and the total against its 10-minute budget are printed. Exit 2 without CUDA.
+# Then the cost model's predicted step time and peak memory next to the GPU's (about a minute).
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py
+	$(BIN)/python benchmarks/gpu_cost_model.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

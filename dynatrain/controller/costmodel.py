@@ -63,8 +63,9 @@ Memory (peak bytes per device, the busiest rank of the busiest pipeline stage)
 Time of one optimizer step (per-stage quantities for the busiest stage)
 -----------------------------------------------------------------------
 Let ``T = mb * seq`` tokens per micro-batch, ``m = global_batch / (dp * mb)`` micro-batches
-per rank, ``b`` the param dtype's bytes, and for one rank: ``F`` its matmul flops/s, ``A``
-its fused-attention flops/s, ``E`` its rate of elementwise activation kernels and ``M`` its
+per rank, ``b`` the param dtype's bytes, and for one rank: ``F`` its matmul flops/s in the
+model's dtype (a GPU's float32 rate is its CUDA cores', ``fp32_flops_per_second``), ``A``
+its fused-attention flops/s (no more than ``F`` in float32), ``E`` its rate of elementwise activation kernels and ``M`` its
 streaming memory bandwidth (both bytes read + written per second), ``o`` its host time per
 operator.
 
@@ -291,10 +292,10 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     world, dp, tp, pp, ep = lay.world, lay.dp, lay.tp, lay.pp, lay.ep
     b = DTYPE_BYTES[model.dtype]
     alpha = profile.latency
-    flops = profile.rank_flops(world)
+    flops = profile.rank_flops(world, model.dtype)
     mem_bw = profile.rank_memory_bandwidth(world)
     ew_rate = profile.rank_elementwise_rate(world)
-    attn_rate = profile.rank_attention_flops(world)
+    attn_rate = profile.rank_attention_flops(world, model.dtype)
     concurrent = profile.concurrent_ranks(world)
     links = _group_links(lay, profile)
     m = global_batch_size // (dp * micro_batch_size)

@@ -67,6 +67,13 @@ class DeviceProfile:
     shared_cores: int = 0
     """0 for accelerators. C > 0: the devices are worker processes sharing C CPU cores of one
     machine (see "Ranks that share CPU cores" in :mod:`dynatrain.controller.costmodel`)."""
+    fp32_flops_per_second: float = 0.0
+    """Sustained matmul rate of a float32 model: without TF32, which torch leaves off
+    (``torch.backends.cuda.matmul.allow_tf32``), a GPU computes float32 on its CUDA cores at
+    about a fifteenth of its bf16 tensor-core rate; attention in float32 is bounded by it too.
+    0 means ``flops_per_second`` (the CPU, whose rates are float32 already). Measured on an
+    H200 (``benchmarks/gpu_cost_model.py``): a float32 gpt-125m step took 6.9x the time the
+    bf16 rate predicts."""
     peak_flops_per_second: float = 0.0
     """The datasheet's dense peak in the training dtype, what model-FLOPs utilisation (MFU) is
     measured against; 0 means ``flops_per_second`` (a profile with no datasheet: the CPU)."""
@@ -100,8 +107,12 @@ class DeviceProfile:
     def threads_per_rank(self, world: int) -> int:
         return max(1, self.shared_cores // world) if self.shared_cores else 1
 
-    def rank_flops(self, world: int) -> float:
-        return self.flops_per_second * self.threads_per_rank(world)
+    def rank_flops(self, world: int, dtype: str = "bfloat16") -> float:
+        """One rank's matmul rate for a model computing in ``dtype``."""
+        rate = self.flops_per_second
+        if dtype == "float32" and self.fp32_flops_per_second:
+            rate = self.fp32_flops_per_second
+        return rate * self.threads_per_rank(world)
 
     def rank_memory_bandwidth(self, world: int) -> float:
         return self.memory_bytes_per_second * self.threads_per_rank(world)
@@ -112,9 +123,11 @@ class DeviceProfile:
     def rank_elementwise_rate(self, world: int) -> float:
         return self.elementwise_rate() * self.threads_per_rank(world)
 
-    def rank_attention_flops(self, world: int) -> float:
-        return (self.attention_flops_per_second or self.flops_per_second) \
-            * self.threads_per_rank(world)
+    def rank_attention_flops(self, world: int, dtype: str = "bfloat16") -> float:
+        rate = self.attention_flops_per_second or self.flops_per_second
+        if dtype == "float32" and self.fp32_flops_per_second:
+            rate = min(rate, self.fp32_flops_per_second)
+        return rate * self.threads_per_rank(world)
 
     def concurrent_ranks(self, world: int) -> float:
         """How many ranks can compute at full speed at the same time."""
@@ -167,7 +180,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
         devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=3.0e12,
         attention_flops_per_second=350e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=989e12,
+        fp32_flops_per_second=45e12, peak_flops_per_second=989e12,
         host_bytes_per_second=50e9, host_memory_bytes=2 * TiB),
     # A100 SXM4 80 GB (312 TFLOPS dense bf16, 2.04 TB/s HBM2e, NVLink 3 at 300 GB/s per
     # direction; DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s).
@@ -176,7 +189,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.8e12,
         attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=312e12,
+        fp32_flops_per_second=13e12, peak_flops_per_second=312e12,
         host_bytes_per_second=25e9, host_memory_bytes=2 * TiB),
     # A100 SXM4 40 GB: the 80 GB part's compute and links, half the memory, 1.56 TB/s HBM2.
     "a100-40gb": DeviceProfile(
@@ -184,7 +197,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=230e9, inter_node_bytes_per_second=20e9,
         devices_per_node=8, latency_seconds=25e-6, memory_bytes_per_second=1.4e12,
         attention_flops_per_second=170e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=312e12,
+        fp32_flops_per_second=13e12, peak_flops_per_second=312e12,
         host_bytes_per_second=25e9, host_memory_bytes=1 * TiB),
     # H200 SXM 141 GB: H100's compute (989 TFLOPS dense bf16) and NVLink 4, 4.8 TB/s HBM3e.
     "h200": DeviceProfile(
@@ -192,7 +205,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=360e9, inter_node_bytes_per_second=40e9,
         devices_per_node=8, latency_seconds=20e-6, memory_bytes_per_second=4.3e12,
         attention_flops_per_second=350e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=989e12,
+        fp32_flops_per_second=45e12, peak_flops_per_second=989e12,
         host_bytes_per_second=50e9, host_memory_bytes=2 * TiB),
     # L40S 48 GB (362 TFLOPS dense bf16, 864 GB/s GDDR6): PCIe Gen4 x16 between GPUs, no
     # NVLink (~20 GB/s bus bandwidth through the host), typically 100-200 Gb/s between nodes.
@@ -201,7 +214,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=20e9, inter_node_bytes_per_second=12e9,
         devices_per_node=8, latency_seconds=30e-6, memory_bytes_per_second=0.75e12,
         attention_flops_per_second=130e12, reserved_bytes=2 * GiB,
-        peak_flops_per_second=362e12,
+        fp32_flops_per_second=61e12, peak_flops_per_second=362e12,
         host_bytes_per_second=25e9, host_memory_bytes=1 * TiB),
     # L4 24 GB (121 TFLOPS dense bf16, 300 GB/s GDDR6): PCIe Gen4, a 50 Gb/s-class network.
     "l4": DeviceProfile(
@@ -209,7 +222,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_bytes_per_second=12e9, inter_node_bytes_per_second=5e9,
         devices_per_node=8, latency_seconds=30e-6, memory_bytes_per_second=0.26e12,
         attention_flops_per_second=40e12, reserved_bytes=1 * GiB,
-        peak_flops_per_second=121e12,
+        fp32_flops_per_second=20e12, peak_flops_per_second=121e12,
         host_bytes_per_second=25e9, host_memory_bytes=TiB // 2),
     # Worker processes on this machine (the local runner): a static guess per core of a
     # recent x86 server core with AVX-512, from the project's 2-core CI VM (~100 GFLOPS fp32
