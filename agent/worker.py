@@ -76,12 +76,13 @@ class Worker:
                  metrics: Metrics | None = None, torch_device: torch.device | None = None,
                  checkpoint_dir: str = "", save_hf: str = "",
                  checkpoint_sources: tuple[str, ...] | list[str] = (),
-                 tensorboard_dir: str = "", log_every: int = 0):
+                 tensorboard_dir: str = "", log_every: int = 0, share_cores: int = 0):
         self.control = WorkerControl(job, device, backend=backend, metrics=metrics,
                                      torch_device=torch_device, checkpoint_dir=checkpoint_dir,
                                      checkpoint_sources=checkpoint_sources)
         self.loop = TrainingLoop(self.control, save_hf=save_hf,
-                                 tensorboard_dir=tensorboard_dir, log_every=log_every)
+                                 tensorboard_dir=tensorboard_dir, log_every=log_every,
+                                 share_cores=share_cores)
 
     def run(self) -> int:
         """Run the training loop on this thread until it ends; the process's exit code."""
@@ -147,6 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--ready-file", help="write {agent_port, metrics_port, health_port, "
                         "pid} here once serving")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--share-cores", type=int, default=0, metavar="N",
+                        help="the job's workers share this machine's N cores (the local "
+                             "runner's --device-profile shared): use N // workers threads "
+                             "under each layout, reset at every switch (0, the default: "
+                             "--threads stays)")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the local runner) is gone")
     parser.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S,
@@ -191,6 +197,9 @@ def main(argv=None) -> int:
         faults.slowdown(args.device)                 # a malformed test setting fails here
     except ValueError as e:
         parser.error(str(e))
+    if args.threads < 0 or args.share_cores < 0:
+        parser.error(f"--threads {args.threads} / --share-cores {args.share_cores}: expected "
+                     "0 (none) or a positive count")
     if args.threads:
         torch.set_num_threads(args.threads)
     job = load_job(args.job)
@@ -215,7 +224,8 @@ def main(argv=None) -> int:
     worker = Worker(job, args.device, backend=backend, torch_device=device, metrics=metrics,
                     checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf,
                     checkpoint_sources=args.checkpoint_source,
-                    tensorboard_dir=args.tensorboard, log_every=args.log_every)
+                    tensorboard_dir=args.tensorboard, log_every=args.log_every,
+                    share_cores=args.share_cores)
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()

@@ -58,8 +58,13 @@ class TrainingLoop:
     threads: ``control``, whose :attr:`~WorkerControl.lock` guards that state."""
 
     def __init__(self, control: WorkerControl, *, save_hf: str = "",
-                 tensorboard_dir: str = "", log_every: int = 0):
+                 tensorboard_dir: str = "", log_every: int = 0, share_cores: int = 0):
         self.control = control
+        self.share_cores = share_cores
+        """The cores of one machine that the job's workers share (the local runner with
+        ``--device-profile shared``): each uses ``share_cores // world`` threads under a layout
+        of ``world`` workers, so the cores a released worker gave back go to the others, as
+        the cost model that decided the release assumed. 0: the thread count stays."""
         job, device = control.job, control.device
         self.job, self.device = job, device
         self.torch_device, self.metrics = control.torch_device, control.metrics
@@ -397,6 +402,7 @@ class TrainingLoop:
                 self.control.state, self.control.layout, self.control.rank = State.LEFT, None, -1
             else:
                 self.control.layout, self.control.rank = p.layout, prepared.new_rank
+                self._fit_threads(p.layout.world)
                 done = trainer.step >= self.job.training.steps
                 self.control.state = State.FINISHED if done else State.TRAINING
                 self.metrics.set_layout(p.layout)
@@ -425,6 +431,16 @@ class TrainingLoop:
             _dump_state(trainer, f"gen{p.generation}")
         p.reply.set_result(reply)
         self._tell_switch(p, old_layout, step, pause)
+
+    def _fit_threads(self, world: int) -> None:
+        """This worker's share of the machine's cores under ``world`` workers (main thread:
+        the training loop's own, where torch's intra-op pool takes the setting)."""
+        if self.share_cores:
+            threads = max(1, self.share_cores // world)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+                print(f"device {self.device}: {threads} threads ({self.share_cores} cores "
+                      f"shared by {world} workers)", flush=True)
 
     def _restore(self, p: Pending):
         """A recovery's old state: this device's snapshot of the restore step (if it was in

@@ -162,6 +162,10 @@ class LocalRunner:
                                         timeouts=timeouts, log=self._say)
         cores = os.cpu_count() or 1
         self.threads = threads_per_worker or max(1, cores // max(1, job.max_workers))
+        # Workers that share this machine's cores in the solver's model (profile.shared_cores)
+        # share them in fact: each takes cores // workers threads under every layout, so a
+        # release or a shrink gives the survivors the cores the model said they would get.
+        self.share_cores = 0 if threads_per_worker else profile.shared_cores
         self.workers: dict[int, WorkerProcess] = {}
         self.next_device = 0
         self.t0 = time.monotonic()
@@ -229,6 +233,7 @@ class LocalRunner:
             argv = ["--job", self.job_path,
                     "--device", str(d), "--token-file", str(self.token_file),
                     "--ready-file", str(ready), "--threads", str(self.threads),
+                    "--share-cores", str(self.share_cores),
                     "--parent-pid", str(os.getpid()), "--checkpoint-dir", self.checkpoint_dir,
                     "--grace-seconds", f"{self.grace_s:g}"]
             for source in self.checkpoint_sources:

@@ -6,6 +6,7 @@ scenario fields, and a local run whose workers are released live when the settin
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,7 +20,7 @@ from dynatrain.controller import decide, policy as policy_module
 from dynatrain.controller.decide import Idle, Switch, View
 from dynatrain.controller.policy import Policy
 from dynatrain.controller.scenario import ScenarioError, parse_scenario
-from dynatrain.spec.hardware import PROFILES
+from dynatrain.spec.hardware import PROFILES, cpu_cores
 from dynatrain.spec.job import JobError, load_job
 from dynatrain.vps.layout import parse_layout
 
@@ -124,3 +125,12 @@ def test_a_local_run_releases_the_workers_that_do_not_pay(tmp_path):
     per_worker = [tokens / m["step_seconds"] / parse_layout(m["layout"]).world
                   for m in (before, after)]
     assert per_worker[1] > per_worker[0], (before, after)
+    # The workers share the cores in fact, as the model assumed: each took cores // workers
+    # threads under every layout, so the survivors got the released workers' cores.
+    cores, kept = cpu_cores(), parse_layout(after["layout"]).world
+    said = [m for d in range(4) for m in re.findall(
+        r"device \d+: (\d+) threads \((\d+) cores shared by (\d+) workers\)",
+        (tmp_path / "run" / f"worker-{d}.log").read_text())]
+    assert all(int(c) == cores and int(t) == max(1, cores // int(w)) for t, c, w in said), said
+    if cores // kept > 1:                  # the survivors' share grew past one thread: said
+        assert any(int(w) == kept for _, _, w in said), said
