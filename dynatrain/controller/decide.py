@@ -18,7 +18,8 @@ network and no process of its own:
   local runner and the operator ask);
 - :func:`choose_restore`: where a recovery restores from (which step, which mirrors);
 - :func:`rebalance` (with :func:`.mixed.balanced_stages`): when the measured pipeline stages
-  are uneven (:mod:`.measured`), move layers between them, live (reason ``rebalance``);
+  are uneven (:mod:`.measured`; an MoE stage by its measured routing, :mod:`.routing`), move
+  layers between them, live (reason ``rebalance``);
 - devices of different speeds (:attr:`View.speeds`) get stages of like devices, weighted
   (:mod:`.mixed`).
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from dynatrain.vps.layout import Layout, default_stages, layout_problems
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import mixed
+from . import mixed, routing
 from .mixed import balanced_stages
 from .costmodel import SolverError, estimate
 from .measured import Measurement
@@ -213,8 +214,11 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     if decision is None:
         target = rebalance(v, job, policy) if v.request is None else None
         if target is not None:
+            routed = routing.routed_stage_costs(v.measurement, job.model, v.layout,
+                                                job.training.seq_len)
             return Switch(Decision(target, "rebalance", estimate(
-                job.model, target, profile, **estimate_kwargs(job))))
+                job.model, target, profile, **estimate_kwargs(job)),
+                note=routing.describe(v.measurement) if routed else ""))
         return Idle(answer=answer)
     if v.speeds:
         layout = mixed.weigh(job, decision.layout, v.speeds, profile, estimate_kwargs(job))
@@ -226,7 +230,8 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
 def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
     """The running layout with its layers split again between its stages, when
     ``spec.parallelism.rebalance`` is on and the measurement says it pays: the slowest stage
-    measured at least ``threshold`` times the mean one, the split from :func:`balanced_stages`
+    measured at least ``threshold`` times the mean one (an MoE stage priced by its measured
+    routing, :mod:`.routing`, where that is skewed), the split from :func:`balanced_stages`
     modelled to save at least 5% of the step, and that saving over ``paybackSteps`` steps at
     least the switch's own cost. As a voluntary switch it also waits for the policy's cooldown
     and is not made near the job's end. A new generation is measured afresh (its first step
@@ -234,18 +239,30 @@ def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
     reb, m, lay = job.rebalance, v.measurement, v.layout
     if not reb.enabled or job.mode != "auto" or lay is None or lay.pp < 2 or m is None:
         return None
-    if m.layout != lay.to_text() or m.imbalance < reb.threshold:
+    if m.layout != lay.to_text():
+        return None
+    # An MoE stage's cost as its measured routing makes it (exact counts), else its measured
+    # compute time.
+    routed = routing.routed_stage_costs(m, job.model, lay, job.training.seq_len)
+    costs = routed or m.stage_compute
+    mean = sum(costs) / len(costs)
+    if mean <= 0 or max(costs) / mean < reb.threshold:
         return None
     if job.training.steps - v.step < max(policy.min_steps_left, 1):
         return None
     if v.now - policy.last_voluntary < policy.cooldown_s:
         return None
     stages = lay.stages or default_stages(job.model.num_layers, lay.pp)
-    split = balanced_stages(m.stage_compute, stages)
+    split = balanced_stages(costs, stages)
     if split == tuple(stages):
         return None
-    per_layer = [c / n for c, n in zip(m.stage_compute, stages)]
-    saving = max(m.stage_compute) - max(k * r for k, r in zip(split, per_layer))
+    per_layer = [c / n for c, n in zip(costs, stages)]
+    saving = max(costs) - max(k * r for k, r in zip(split, per_layer))
+    if routed:
+        # A layer's routing costs the same on any stage: only the pipeline's overlap gains,
+        # the (m-1) of m micro-batches that wait for the slowest stage (none with m = 1,
+        # where the stages run one after the other).
+        saving *= routing.overlapped(job, lay)
     if saving < 0.05 * m.step_seconds or saving * reb.payback_steps < v.switch_cost_s:
         return None
     target = replace(lay, stages=split)
