@@ -92,6 +92,10 @@ class JobController:
         self.clients: dict[int, AgentClient] = {}
         self.doomed: dict[int, float] = {}
         """Device -> monotonic deadline by which it must have left the running layout."""
+        self.slow: set[int] = set()
+        """Devices left out for computing slower than their peers (:mod:`.straggler`): never
+        usable again; the front ends stop their workers (the local runner) or delete their
+        pods (the operator)."""
         self.layout: Layout | None = None
         self.generation = 0
         self.generation_running = 0
@@ -325,7 +329,7 @@ class JobController:
 
     @property
     def usable(self) -> list[int]:
-        return sorted(d for d in self.clients if d not in self.doomed)
+        return sorted(d for d in self.clients if d not in self.doomed and d not in self.slow)
 
     @property
     def members(self) -> list[int]:
@@ -383,6 +387,8 @@ class JobController:
         record = self._switch(decision.layout, decision.reason)
         if record is not None and decision.reason in decide.VOLUNTARY:
             self.policy.record_voluntary()
+        if record is not None and decision.left_out:
+            self.slow.update(decision.left_out)          # never taken back (see usable)
         return record
 
     def _measure(self) -> None:

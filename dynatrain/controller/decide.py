@@ -20,6 +20,8 @@ network and no process of its own:
 - :func:`rebalance` (with :func:`.mixed.balanced_stages`): when the measured pipeline stages
   are uneven (:mod:`.measured`; an MoE stage by its measured routing, :mod:`.routing`), move
   layers between them, live (reason ``rebalance``);
+- a device measured persistently slower than its stage's others is left out when the job is
+  faster without it (:mod:`.straggler`);
 - devices of different speeds (:attr:`View.speeds`) get stages of like devices, weighted
   (:mod:`.mixed`).
 
@@ -35,13 +37,13 @@ from dataclasses import dataclass, field, replace
 from dynatrain.vps.layout import Layout, default_stages, layout_problems
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import mixed, routing
+from . import mixed, routing, straggler
 from .mixed import balanced_stages
 from .costmodel import SolverError, estimate
 from .measured import Measurement
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
-from .policy import Decision, Policy, estimate_kwargs
+from .policy import Decision, Policy, estimate_kwargs, seq_len_of
 
 VOLUNTARY = ("scale-up", "better-layout", "rebalance")
 """Switch reasons the policy may choose or not (a cooldown applies; a request supersedes)."""
@@ -215,10 +217,13 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
         target = rebalance(v, job, policy) if v.request is None else None
         if target is not None:
             routed = routing.routed_stage_costs(v.measurement, job.model, v.layout,
-                                                job.training.seq_len)
+                                                seq_len_of(job))
             return Switch(Decision(target, "rebalance", estimate(
                 job.model, target, profile, **estimate_kwargs(job)),
                 note=routing.describe(v.measurement) if routed else ""))
+        slow = straggler.leave_out(v, job, policy, profile) if v.request is None else None
+        if slow is not None:
+            return Switch(slow)
         return Idle(answer=answer)
     if v.speeds:
         layout = mixed.weigh(job, decision.layout, v.speeds, profile, estimate_kwargs(job))
@@ -243,7 +248,7 @@ def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
         return None
     # An MoE stage's cost as its measured routing makes it (exact counts), else its measured
     # compute time.
-    routed = routing.routed_stage_costs(m, job.model, lay, job.training.seq_len)
+    routed = routing.routed_stage_costs(m, job.model, lay, seq_len_of(job))
     costs = routed or m.stage_compute
     mean = sum(costs) / len(costs)
     if mean <= 0 or max(costs) / mean < reb.threshold:

@@ -419,14 +419,17 @@ class LocalRunner:
         else:
             self.controller.request_layout(event.layout)
 
-    def _release(self) -> None:
-        """Stop the workers a ``release`` switch left out (as the operator deletes their pods):
-        the machine's CPUs or GPUs go back to whatever else runs there."""
+    def _release(self, devices) -> None:
+        """Stop the workers a ``release`` switch left out, or a slow one a rebalance left out
+        (as the operator deletes their pods): the machine's CPUs or GPUs go back to whatever
+        else runs there."""
         c = self.controller
-        for d in sorted(set(self.workers) - set(c.members)):
-            w = self.workers[d]
-            if w.agent and w.proc.poll() is None:
-                self._say(f"worker {d}: released (spec.elastic.minEfficiency)")
+        for d in sorted(devices):
+            w = self.workers.get(d)
+            if w is not None and w.agent and w.proc.poll() is None and not w.expected_exit:
+                self._say(f"worker {d}: " + ("left out (it computes slower than its peers)"
+                                             if d in c.slow else
+                                             "released (spec.elastic.minEfficiency)"))
                 w.expected_exit = True
                 w.proc.send_signal(signal.SIGTERM)
 
@@ -474,7 +477,8 @@ class LocalRunner:
                 if record is not None:
                     self._report_switch(record)
                     if record.reason == "release":
-                        self._release()
+                        self._release(set(self.workers) - set(c.members))
+                    self._release(c.slow - set(c.members))
                 p = c.progress
                 self._apply_due_events()
                 if p.finished:

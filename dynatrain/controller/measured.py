@@ -84,6 +84,9 @@ class Measurement:
     every data-parallel rank); () for a dense model."""
     ep: int = 1
     """The layout's expert-parallel degree (rank ``r`` holds experts ``[r*E/ep, (r+1)*E/ep)``)."""
+    device_compute: tuple[tuple[int, int, float], ...] = ()
+    """(device, pipeline stage, smoothed compute seconds per step) of every device of the
+    layout, in rank order: who within a stage is the slow one (:mod:`.straggler`)."""
 
     @property
     def ratio(self) -> float:
@@ -233,4 +236,7 @@ class StepCosts:
         return Measurement(self.generation, layout.to_text(), steps,
                            self._slowest(devices, "step"), predicted_seconds,
                            self.stage_compute(layout), self._slowest(devices, "communication"),
-                           self.stage_experts(layout), layout.ep)
+                           self.stage_experts(layout), layout.ep,
+                           tuple((d, layout.coords(rank)[0],
+                                  self.devices[d].means.get("compute", 0.0))
+                                 for rank, d in enumerate(devices)))

@@ -54,6 +54,8 @@ class Decision:
     estimate: Estimate
     note: str = ""
     """The figures behind the decision, for the log (e.g. why workers are released)."""
+    left_out: tuple[int, ...] = ()
+    """Devices the switch leaves out for good (a straggler, :mod:`.straggler`)."""
 
 
 @dataclass
@@ -139,6 +141,15 @@ class Policy:
 
     def record_voluntary(self) -> None:
         self.last_voluntary = time.monotonic()
+
+    def best_on(self, job: JobSpec, profile: DeviceProfile, cap: int, kw: dict) -> Estimate:
+        """The solver's best layout on at most ``cap`` devices (for other decisions)."""
+        return self._best(job, profile, cap, kw)
+
+    def shrink(self, job: JobSpec, current: Layout, usable: list[int], best: Estimate,
+               reason: str) -> Decision:
+        """``best`` placed on ``usable``, keeping what moves least (for other decisions)."""
+        return self._shrink(job, current, usable, best, reason)
 
     @staticmethod
     def _best(job, profile, cap: int, kw) -> Estimate:

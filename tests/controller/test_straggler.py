@@ -1,0 +1,147 @@
+"""A straggler is left out when the job is faster without it (#38 item 3): the slow device
+found within its stage, the rule's cases and an event replay without processes, and a local
+run with one worker slowed (DYNATRAIN_SLOWDOWN) whose controller leaves it out live."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from dynatrain.controller import decide
+from dynatrain.controller.decide import Idle, Switch, View
+from dynatrain.controller.measured import MIN_STEPS, StepCosts
+from dynatrain.controller.policy import Policy
+from dynatrain.controller.straggler import slowest
+from dynatrain.spec.hardware import PROFILES
+from dynatrain.spec.job import job_from_manifest as parse_job
+from dynatrain.vps.layout import parse_layout
+
+PROFILE = replace(PROFILES["cpu"], shared_cores=0, memory_bytes=4 << 30)
+DP4 = parse_layout("dp=4,tp=1,pp=1").with_devices([0, 1, 2, 3])
+
+
+def manifest(rebalance: dict | None = None, min_workers: int = 1) -> dict:
+    """gpt-tiny on up to 4 workers, data parallel only (maxTP 1, maxPP 1), a global batch of
+    12 (dp=4 and dp=3 both divide it)."""
+    par = {"mode": "auto", "limits": {"maxTP": 1, "maxPP": 1}}
+    if rebalance is not None:
+        par["rebalance"] = rebalance
+    return {"apiVersion": "dynatrain.io/v1alpha1", "kind": "DynaTrainJob",
+            "metadata": {"name": "straggler"},
+            "spec": {"model": {"preset": "gpt-tiny"}, "resources": {"gpus": 0},
+                     "elastic": {"minWorkers": min_workers, "maxWorkers": 4},
+                     "parallelism": par, "globalBatchSize": 12,
+                     "training": {"steps": 60, "seqLen": 64}}}
+
+
+JOB = parse_job(manifest({"enabled": True}))
+
+
+def measured(compute: dict[int, float], layout=DP4, comm: float = 0.01):
+    """A measurement of ``layout`` whose devices computed ``compute[d]`` s a step (the others
+    waited for the slowest at the all-reduce: every step is the slowest compute + ``comm``)."""
+    costs = StepCosts(alpha=1.0)
+    step = max(compute.values()) + comm
+    for _ in range(1 + MIN_STEPS):
+        for d in layout.device_of:
+            costs.add(d, 3, {"step": step, "compute": compute[d],
+                             "communication": step - compute[d], "redundancy": 0.0})
+    return costs.measurement(layout, predicted_seconds=0.03)
+
+
+def view(m, layout=DP4, **kw) -> View:
+    base = dict(now=100.0, layout=layout, usable=tuple(layout.device_of), step=10,
+                last_step_at=99.9, give_up_s=600.0, measurement=m, switch_cost_s=0.05)
+    return View(**{**base, **kw})
+
+
+def act(v: View, job=JOB, policy: Policy | None = None):
+    return decide.next_action(v, policy or Policy(margin=100.0), job, PROFILE)
+
+
+SLOW3 = {0: 0.020, 1: 0.021, 2: 0.019, 3: 0.080}
+
+
+def test_the_slow_device_is_found_within_its_stage():
+    s = slowest(measured(SLOW3))
+    assert (s.device, s.stage, s.compute, s.peers) == (3, 0, 0.080, 0.020)
+    assert s.factor == pytest.approx(4.0)
+    # In a pipeline each stage's devices are compared among themselves: stage 1's devices are
+    # slower than stage 0's by their layers, not by themselves.
+    pipe = parse_layout("dp=2,tp=1,pp=2").with_devices([0, 1, 2, 3])
+    s = slowest(measured({0: 0.02, 1: 0.02, 2: 0.05, 3: 0.055}, layout=pipe))
+    assert (s.device, s.stage) == (3, 1) and s.factor == pytest.approx(1.1)
+
+
+def test_a_straggler_is_left_out_when_the_others_are_faster_without_it():
+    # The step is 0.09 s; as fast as its peers device 3 would make it 0.03 s; the cost model
+    # says 3 devices take 1.18x that: 0.0355 s, far under 0.95 x 0.09 s.
+    a = act(view(measured(SLOW3)))
+    assert isinstance(a, Switch) and a.decision.reason == "rebalance"
+    assert a.decision.left_out == (3,)
+    assert sorted(a.decision.layout.device_of) == [0, 1, 2]
+    assert "device 3 computes 4.00x the median of its stage's other devices" in a.decision.note
+
+
+@pytest.mark.parametrize("case, kw, job", [
+    ("off by default", {}, parse_job(manifest())),
+    ("under the threshold: 1.10x < 1.15", {"measurement": measured({0: 0.02, 1: 0.02,
+                                                                     2: 0.02, 3: 0.022})}, JOB),
+    # 1.25x: the step is 0.035 s; as fast as its peers 0.030 s at 4 devices; the model prices
+    # 3 devices at 1.18x: 0.0355 s, slower than the step measured with the straggler in.
+    ("slower, but 3 devices would not be faster",
+     {"measurement": measured({0: 0.02, 1: 0.02, 2: 0.02, 3: 0.025})}, JOB),
+    ("minWorkers would not be kept", {}, parse_job(manifest({"enabled": True}, min_workers=4))),
+    ("near the job's end", {"step": 58}, JOB),
+    ("a request waits: it is the user's layout",
+     {"request": decide.Request(parse_layout("dp=2"))}, JOB),
+])
+def test_no_straggler_is_left_out_when(case, kw, job):
+    v = view(kw.pop("measurement", measured(SLOW3)), **kw)
+    a = act(v, job)
+    assert not (isinstance(a, Switch) and a.decision.left_out), case
+
+
+def test_replayed_the_job_goes_on_without_the_straggler_and_does_not_take_it_back():
+    first = act(view(measured(SLOW3)))
+    assert isinstance(first, Switch)
+    after = first.decision.layout
+    # The front drops the device (JobController.slow): the next view has the three others,
+    # whose measurement is even.
+    even = measured({0: 0.02, 1: 0.02, 2: 0.02}, layout=after)
+    assert isinstance(act(view(even, layout=after, usable=(0, 1, 2), now=200.0)), Idle)
+    # A new device joins (a replacement pod on another node): the job grows onto it.
+    grow = act(view(even, layout=after, usable=(0, 1, 2, 4), now=300.0))
+    assert isinstance(grow, Switch) and grow.decision.reason == "scale-up"
+    assert sorted(grow.decision.layout.device_of) == [0, 1, 2, 4]
+
+
+# -- real workers -------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_slowed_worker_is_left_out_live(tmp_path):
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest({"enabled": True})))
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "DYNATRAIN_SLOWDOWN": "device:3,factor:4"}
+    proc = subprocess.run([sys.executable, "-m", "dynatrain", "run", str(tmp_path / "job.yaml"),
+                           "--run-dir", str(tmp_path / "run"), "--summary-json", str(summary),
+                           "--margin", "100"],
+                          capture_output=True, text=True, timeout=500, env=env)
+    print(proc.stdout[-5000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, f"exit {proc.returncode}"
+    out = json.loads(summary.read_text())
+    assert "started dp=4,tp=1,pp=1 on devices [0, 1, 2, 3]" in proc.stdout
+    [switch] = [s for s in out["switches"] if s["reason"] == "rebalance"]
+    assert switch["from"] == "dp=4,tp=1,pp=1" and switch["to"] == "dp=3,tp=1,pp=1"
+    assert "device 3 computes" in proc.stdout and "left out" in proc.stdout
+    assert "worker 3: left out (it computes slower than its peers)" in proc.stdout
+    after = out["measurements"][-1]
+    assert parse_layout(after["layout"]).world == 3
+    assert out["samples_exactly_once"]
+    assert all(loss == loss for loss in out["losses"])          # finite, no NaN
