@@ -23,7 +23,7 @@ return.
 
 from __future__ import annotations
 
-from dynatrain.controller.core import SuspendFailed
+from dynatrain.controller.errors import SuspendFailed
 
 from .basics import JobContext, Room, now as _now
 

@@ -33,7 +33,8 @@ from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import decide, measured, polling, recovery
+from . import decide, measured, polling, recovery, suspend
+from .suspend import Parked
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
 from .adopt import adopt as _adopt
@@ -46,14 +47,6 @@ from .share import Share
 
 State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class Parked:
-    """The job parked below its minimum (:class:`.decide.Park`), and where it continues from."""
-    why: str
-    checkpoint: str
-    step: int
 
 
 @dataclass
@@ -235,44 +228,9 @@ class JobController:
         self._report_workers()
 
     def suspend(self) -> tuple[str, int]:
-        """Every member writes its part of one checkpoint at a step boundary they agree on
-        and trains no further (``spec.suspend``); returns (path, step). The front end then
-        removes the workers and, to resume, calls :meth:`restart_from` with what this
-        returned: the job continues from that step under whatever layout fits the workers
-        it then has. Raises :class:`SuspendFailed` (the job trains on, or is recovered if a
-        member died inside the collective save)."""
-        from .orchestrator import _fan_out
-
-        if self.layout is None or self._in_switch is not None:
-            raise SuspendFailed("no generation is running" if self.layout is None
-                                else "a switch is in flight")
-        members, g = self.members, self.generation_running
-        replies = _fan_out(lambda d: self.clients[d].checkpoint(
-            g, stop=True, timeout_s=self.timeouts.commit_s), members)
-        bad = [f"device {d}: {r}" for d, r in zip(members, replies) if isinstance(r, Exception)]
-        if bad:
-            raise SuspendFailed("; ".join(bad))
-        written = {(r.path, r.step) for r in replies}
-        if len(written) != 1:       # one agreed boundary: every rank answers the same
-            raise SuspendFailed(f"the members answered different checkpoints: {sorted(written)}")
-        self.poll(judge=False)      # the last steps' records (their reads) before they go
-        path, step = written.pop()
-        self.log(f"suspended at step {step}: every member wrote its part of {path} and "
-                 "trains no further")
-        return path, step
-
-    def _park(self, why: str) -> None:
-        """Below the minimum by notices: one checkpoint written by every member before the
-        doomed ones go, then no generation runs (:attr:`parked` tells the front end). A
-        checkpoint that cannot be written fails the job: nothing else would keep its state."""
-        try:
-            path, step = self.suspend()
-        except SuspendFailed as e:
-            raise JobFailed(f"{why}; the checkpoint to wait at was not written: {e}") from e
-        self.restart_from(path, step)
-        self.parked = Parked(why, path, step)
-        self.log(f"parked: {why}; waits for {self.job.min_workers} workers to continue from "
-                 f"the checkpoint of step {step}")
+        """One checkpoint by every member, then no further training (``spec.suspend``, and a
+        park): :func:`.suspend.suspend`."""
+        return suspend.suspend(self)
 
     def request_layout(self, layout: Layout) -> LayoutRequest:
         """A user asked for this layout (``parallelism.mode: fixed``). It is applied at the
@@ -371,7 +329,7 @@ class JobController:
         if isinstance(action, decide.Recover):
             return recovery.recover(self)
         if isinstance(action, decide.Park):
-            self._park(action.why)
+            suspend.park(self, action.why)
             return None
         if isinstance(action, decide.Refuse):
             self._refuse(req, action.why)

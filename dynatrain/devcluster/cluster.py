@@ -56,7 +56,7 @@ from .errors import DevClusterError
 from .kubeconfig import build_kubeconfig, build_token_kubeconfig, write_kubeconfig
 from .kubelet import RealNode, RealNodeConfig
 from .nodes import KWOK_ANNOTATION, NodePool, add_nodes, node_is_ready
-from .pods import storage_class_manifest
+from .volumes import storage_class_manifest
 from dynatrain.ports import free_port
 
 from .processes import Component, wait_until

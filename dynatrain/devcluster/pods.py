@@ -16,7 +16,7 @@ command as a process on this machine, the way a kubelet would:
   ``emptyDir`` per pod, and every PersistentVolumeClaim backed by one directory per claim that every pod mounting it
   shares (as a ReadWriteMany volume would). Mount paths in the command, the arguments and the
   environment are mapped onto those directories (a process has no mount namespace of its own);
-- a claim of the runner's StorageClass (:data:`STORAGE_CLASS`, the dev cluster's default) is
+- a claim of the runner's StorageClass (:data:`.volumes.STORAGE_CLASS`, the dev cluster's default) is
   provisioned as a ``hostPath`` PersistentVolume on that directory, which
   kube-controller-manager's volume binder binds, as a local-path provisioner does;
 - a process that exits makes its pod ``Succeeded`` or ``Failed`` with the exit code in the
@@ -51,7 +51,6 @@ import base64
 import datetime
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from ..controller import workerstart
 from . import endpoints
 from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
 from .processes import _die_with_parent
+from .volumes import project, provision_claims
 
 WILDCARD = "0.0.0.0"
 """An address to bind in a pod's command or arguments that the runner replaces by the pod's IP:
@@ -77,20 +77,8 @@ if TYPE_CHECKING:
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _STRATEGIC = "application/strategic-merge-patch+json"
 
-STORAGE_CLASS = "dynatrain-local"
-"""The dev cluster's default StorageClass; the pod runner provisions its claims."""
-PROVISIONER = "dynatrain.io/local-dir"
 BACKOFF_FIRST_S = 10.0
 BACKOFF_MAX_S = 300.0
-
-
-def storage_class_manifest() -> dict:
-    """The default StorageClass whose claims :class:`PodRunner` provisions (pure)."""
-    return {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-            "metadata": {"name": STORAGE_CLASS, "annotations": {
-                "storageclass.kubernetes.io/is-default-class": "true"}},
-            "provisioner": PROVISIONER, "reclaimPolicy": "Retain",
-            "volumeBindingMode": "Immediate"}
 
 
 def _now() -> str:
@@ -239,7 +227,7 @@ class PodRunner:
             pods = self.core.list_namespaced_pod(self.namespace,
                                                  label_selector=self.selector).items
         alive = self._live_nodes()
-        self._provision_claims()
+        provision_claims(self.core, self.namespace, self.claim_dir, self._say)
         by_uid = {p.metadata.uid: p for p in pods}
         now = time.monotonic()
         for uid, c in self.containers.items():
@@ -465,7 +453,7 @@ class PodRunner:
                 if e.status == 404:
                     continue
                 raise
-            if _project(local, items, data, mode=mode):
+            if project(local, items, data, mode=mode):
                 self._say(f"[pods] {c.namespace}/{c.name}: {kind} {name} updated in its volume")
 
     def _env(self, pod, container) -> dict[str, str]:
@@ -528,55 +516,17 @@ class PodRunner:
             local.mkdir(parents=True, exist_ok=True)
             if v.config_map is not None:
                 data = {k: t.encode() for k, t in self._config_map(ns, v.config_map.name).items()}
-                _project(local, v.config_map.items, data, mode=None)
+                project(local, v.config_map.items, data, mode=None)
                 projections.append((local, "configmap", v.config_map.name, v.config_map.items,
                                     None))
             elif v.secret is not None:
-                _project(local, v.secret.items, self._secret_bytes(ns, v.secret.secret_name),
+                project(local, v.secret.items, self._secret_bytes(ns, v.secret.secret_name),
                          mode=0o600)
                 projections.append((local, "secret", v.secret.secret_name, v.secret.items,
                                     0o600))
             mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path \
                 else local
         return mounts
-
-    # -- a local-path provisioner ------------------------------------------------------------------
-    def _provision_claims(self) -> None:
-        """A PersistentVolume (hostPath on :meth:`claim_dir`) for every Pending claim of
-        :data:`STORAGE_CLASS`; kube-controller-manager's binder binds the two."""
-        from kubernetes.client.rest import ApiException
-
-        if self.namespace is None:
-            claims = self.core.list_persistent_volume_claim_for_all_namespaces().items
-        else:
-            claims = self.core.list_namespaced_persistent_volume_claim(self.namespace).items
-        for pvc in claims:
-            if (pvc.status.phase != "Pending" or pvc.spec.volume_name
-                    or pvc.spec.storage_class_name != STORAGE_CLASS):
-                continue
-            ns, name = pvc.metadata.namespace, pvc.metadata.name
-            path = self.claim_dir(ns, name)
-            path.mkdir(parents=True, exist_ok=True)
-            size = ((pvc.spec.resources.requests or {}).get("storage") if pvc.spec.resources
-                    else None) or "1Gi"
-            pv = {"apiVersion": "v1", "kind": "PersistentVolume",
-                  "metadata": {"name": f"pvc-{pvc.metadata.uid}",
-                               "annotations": {
-                                   "pv.kubernetes.io/provisioned-by": PROVISIONER}},
-                  "spec": {"capacity": {"storage": size},
-                           "accessModes": pvc.spec.access_modes or ["ReadWriteOnce"],
-                           "persistentVolumeReclaimPolicy": "Retain",
-                           "storageClassName": STORAGE_CLASS,
-                           "claimRef": {"namespace": ns, "name": name,
-                                        "uid": pvc.metadata.uid},
-                           "hostPath": {"path": str(path), "type": "DirectoryOrCreate"}}}
-            try:
-                self.core.create_persistent_volume(pv)
-                self._say(f"[pods] provisioned {ns}/{name} at {path}")
-            except ApiException as e:
-                if e.status != 409:                   # made on an earlier round
-                    raise
-
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -608,44 +558,3 @@ def _worker_args(argv: list[str]) -> list[str] | None:
     if argv[:1] != [sys.executable] or not _is_worker(argv):
         return None
     return argv[4:] if argv[2] == "dynatrain" else argv[3:]
-
-
-def _project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> bool:
-    """Write a ConfigMap's or Secret's keys into a volume directory: the ``items`` listed
-    (key -> relative path), or every key under its own name. As the kubelet's atomic writer
-    does: the files go to a new ``..<time>`` directory, the ``..data`` symlink is swapped to it
-    in one rename, and each top-level name is a symlink into ``..data``, so a reader never sees
-    half an update. Returns whether anything changed."""
-    paths = {i.key: i.path for i in items or []} or {k: k for k in data}
-    payload = {path: data[key] for key, path in paths.items()}
-    current = local / "..data"
-    old = current.resolve() if current.is_symlink() else None
-    if old is not None and sorted(str(p.relative_to(old)) for p in old.rglob("*")
-                                  if p.is_file()) == sorted(payload) and all(
-            (old / p).read_bytes() == b for p, b in payload.items()):
-        return False
-    stamp = local / f"..{time.time_ns()}"
-    for path, content in payload.items():
-        target = stamp / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
-        if mode is not None:
-            target.chmod(mode)
-    tmp = local / "..data_tmp"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(stamp.name)
-    os.replace(tmp, current)
-    tops = {Path(p).parts[0] for p in payload}
-    for entry in local.iterdir():
-        if entry.name.startswith(".."):
-            continue
-        if entry.name not in tops or not entry.is_symlink():   # a key that left, or stale
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    for top in tops:
-        link = local / top
-        if not link.is_symlink():
-            link.symlink_to(Path("..data") / top)
-    if old is not None and old.parent == local:
-        shutil.rmtree(old, ignore_errors=True)
-    return True

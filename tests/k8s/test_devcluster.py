@@ -413,7 +413,8 @@ def _terminated(core, namespace, name):
 
 def test_pod_runner_runs_containers_with_env_volumes_and_a_shared_claim(devcluster, core,
                                                                           namespace, tmp_path):
-    from dynatrain.devcluster.pods import STORAGE_CLASS, PodRunner
+    from dynatrain.devcluster.pods import PodRunner
+    from dynatrain.devcluster.volumes import STORAGE_CLASS
 
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "c"},
                                                   "data": {"greeting": "hello"}})
