@@ -36,6 +36,9 @@ import yaml
 
 from dynatrain.bench.moe_skew import write_skewed_moe
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rebalance import print_rows, try_splits  # noqa: E402  (the sibling benchmark)
+
 SHAPE = "dp=2,tp=1,pp=2,ep=2"
 
 
@@ -104,19 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         after = [m for m in live["measurements"] if m["layout"] == chosen][-1]
         rows.append((f"rebalanced live at step {switches[-1]['step']} to {chosen}",
                      after["step_seconds"]))
-    tried = []
-    for a in range(1, args.layers):
-        layout = f"{SHAPE},stages={a}+{args.layers - a}"
-        out, _ = run(work, f"fixed-{a}", job(ckpt, args.steps, {"mode": "fixed",
-                                                                 "layout": layout}, args.seq_len))
-        tried.append((layout, out["measurements"][-1]["step_seconds"]))
-        print(f"  tried {layout}: {tried[-1][1] * 1e3:.1f} ms/step", flush=True)
-    best = min(tried, key=lambda t: t[1])
-    rows.append((f"best of the {len(tried)} splits: {best[0]}", best[1]))
-    print()
-    width = max(len(r[0]) for r in rows)
-    for label, seconds in rows:
-        print(f"  {label:<{width}}  {seconds * 1e3:8.1f} ms/step")
+    try_splits(SHAPE, args.layers, lambda name, layout: run(
+        work, name, job(ckpt, args.steps, {"mode": "fixed", "layout": layout},
+                        args.seq_len))[0], rows)
+    print_rows(rows)
     same = live["losses"] == off["losses"]
     print(f"\nlosses with and without the rebalance: {'identical, bit for bit' if same else 'DIFFER'}"
           f" ({len(live['losses'])} steps); data read exactly once: "

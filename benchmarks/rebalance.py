@@ -56,6 +56,29 @@ def run(work: Path, name: str, doc: dict, factor: float) -> dict:
     return json.loads(summary.read_text())
 
 
+def try_splits(shape: str, layers: int, run_fixed, rows: list) -> tuple[str, float]:
+    """Every split of ``layers`` between the two stages of ``shape``, each run as a fixed
+    layout by ``run_fixed(name, layout)`` (-> its summary); each printed as it comes, the
+    best added to ``rows``. Returns the best (layout, step seconds)."""
+    tried = []
+    for first in range(1, layers):
+        layout = f"{shape},stages={first}+{layers - first}"
+        out = run_fixed(f"fixed-{first}", layout)
+        tried.append((layout, out["measurements"][-1]["step_seconds"]))
+        print(f"  tried {layout}: {tried[-1][1] * 1e3:.1f} ms/step", flush=True)
+    best = min(tried, key=lambda t: t[1])
+    rows.append((f"best of all {len(tried)} splits: {best[0]}", best[1]))
+    return best
+
+
+def print_rows(rows: list) -> None:
+    """(label, step seconds) rows as a table."""
+    print()
+    width = max(len(r[0]) for r in rows)
+    for label, seconds in rows:
+        print(f"  {label:<{width}}  {seconds * 1e3:8.1f} ms/step")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gpt-tiny", choices=sorted(PRESETS),
@@ -84,20 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows.append(("rebalanced live: no rebalance happened", float("nan")))
 
-    tried = []
-    for first in range(1, layers):
-        layout = f"dp=1,tp=1,pp=2,stages={first}+{layers - first}"
-        out = run(work, f"fixed-{first}", job(args.model, args.steps, {
-            "mode": "fixed", "layout": layout}), args.factor)
-        tried.append((layout, out["measurements"][-1]["step_seconds"]))
-        print(f"  tried {layout}: {tried[-1][1] * 1e3:.1f} ms/step", flush=True)
-    best = min(tried, key=lambda t: t[1])
-    rows.append((f"best of all {len(tried)} splits: {best[0]}", best[1]))
-
-    print()
-    width = max(len(r[0]) for r in rows)
-    for label, seconds in rows:
-        print(f"  {label:<{width}}  {seconds * 1e3:8.1f} ms/step")
+    best = try_splits("dp=1,tp=1,pp=2", layers, lambda name, layout: run(
+        work, name, job(args.model, args.steps, {"mode": "fixed", "layout": layout}),
+        args.factor), rows)
+    print_rows(rows)
     if chosen is not None:
         print(f"\nthe live rebalance chose {chosen}; trying every split found {best[0]} "
               f"({'the same' if chosen == best[0] else 'another'})")
