@@ -142,6 +142,16 @@ class WorkerPods(Room):
         member) or forgotten, the pod deleted, and the next pod created after a back-off."""
         c = self.controller
         d = w.device
+        if d in c.slow and d not in c.members:
+            # Left out as a straggler: its worker leaves once the switch is made, which can
+            # be seen here before the switch's record; its pod goes, and no back-off follows.
+            self.left.add(d)
+            if d in c.clients:
+                c.remove_device(d)
+            self.delete_pod(w.name)
+            self.log(f"job {self.name}: worker {d} (pod {w.name}) left out as slower than "
+                     "its peers: pod deleted")
+            return
         if decide.exit_is_failure(member=d in c.members, released=d in self.left, code=None):
             c.fail_device(d, f"its pod is unhealthy: {w.unhealthy}")
         elif d in c.clients:

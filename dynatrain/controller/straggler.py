@@ -6,11 +6,13 @@ of one pipeline stage), so the one whose smoothed compute is well above the medi
 stage's others is slow by itself: a throttled GPU, a noisy neighbour, a bad host. Everyone
 waits for it at the next collective, so it adds ``its compute - the median`` to the step.
 
-Whether leaving it out pays is the measured step priced on fewer devices: the step it would
-take if the slow device were as fast as its peers, times what the cost model says the best
-layout on the others costs relative to the running one (the model's relative change,
-calibrated by the measurement). The device is left out when that is at least 5% faster than
-the measured step and pays the switch's cost back within ``paybackSteps``. A pipeline stage
+Whether leaving it out pays is read from the measurement alone: without it, the ``n - 1``
+other devices of its stage share its work, so the step loses the slow device's compute and
+gains its peers' times ``n / (n - 1)``. That is a leave-out only when the device is slower
+than ``n / (n - 1)`` of its peers (2x with two, 1.33x with four), and the estimate must be at
+least 5% under the measured step and pay the switch's cost back within ``paybackSteps``. (The
+cost model is not asked: where its profile does not describe the devices, as with CPU workers
+priced as H100s, its relative change says nothing; the solver still picks the layout.) A pipeline stage
 split cannot cure a slow data-parallel rank (its stage's other ranks are fast), and uneven
 micro-batch shares are not built; this is the rule for the case where no split helps.
 
@@ -24,12 +26,12 @@ Pure: no torch, grpc or kubernetes (the decisions' import contract).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
 
-from .costmodel import SolverError, estimate
+from .costmodel import SolverError
 from .measured import Measurement
 from .policy import Decision, Policy, estimate_kwargs
 
@@ -93,20 +95,18 @@ def leave_out(v, job: JobSpec, policy: Policy, profile: DeviceProfile) -> Decisi
     others = [d for d in v.usable if d != slow.device and d not in v.doomed]
     if len(others) < max(1, job.min_workers):
         return None
-    kw = estimate_kwargs(job)
     try:
-        best = policy.best_on(job, profile, len(others), kw)
-        now = estimate(job.model, replace(lay, stages=None), profile, **kw)
+        best = policy.best_on(job, profile, len(others), estimate_kwargs(job))
     except SolverError:
         return None
-    healthy = m.step_seconds - (slow.compute - slow.peers)
-    without = max(healthy, 0.0) * best.step_seconds / now.step_seconds
+    n = sum(1 for _, stage, _ in m.device_compute if stage == slow.stage)
+    without = m.step_seconds - slow.compute + slow.peers * n / (n - 1)
     saving = m.step_seconds - without
     if saving < MIN_SAVING * m.step_seconds or saving * reb.payback_steps < v.switch_cost_s:
         return None
     decision = policy.shrink(job, lay, others, best, "rebalance")
     decision.left_out = (slow.device,)
     decision.note = (f"{slow}: left out; the step measured {m.step_seconds * 1e3:.1f} ms, "
-                     f"{without * 1e3:.1f} ms estimated on {best.layout.world} devices "
-                     f"({best.layout.to_text()}) without it")
+                     f"{without * 1e3:.1f} ms estimated with its {n - 1} peers taking its "
+                     f"share; now {best.layout.to_text()}")
     return decision

@@ -80,8 +80,8 @@ def test_the_slow_device_is_found_within_its_stage():
 
 
 def test_a_straggler_is_left_out_when_the_others_are_faster_without_it():
-    # The step is 0.09 s; as fast as its peers device 3 would make it 0.03 s; the cost model
-    # says 3 devices take 1.18x that: 0.0355 s, far under 0.95 x 0.09 s.
+    # The step is 0.09 s. Without device 3 its three peers share its work: the step loses its
+    # 0.08 s of compute and gains 0.02 x 4/3 s, 0.0367 s, far under 0.95 x 0.09 s.
     a = act(view(measured(SLOW3)))
     assert isinstance(a, Switch) and a.decision.reason == "rebalance"
     assert a.decision.left_out == (3,)
@@ -93,10 +93,14 @@ def test_a_straggler_is_left_out_when_the_others_are_faster_without_it():
     ("off by default", {}, parse_job(manifest())),
     ("under the threshold: 1.10x < 1.15", {"measurement": measured({0: 0.02, 1: 0.02,
                                                                      2: 0.02, 3: 0.022})}, JOB),
-    # 1.25x: the step is 0.035 s; as fast as its peers 0.030 s at 4 devices; the model prices
-    # 3 devices at 1.18x: 0.0355 s, slower than the step measured with the straggler in.
+    # 1.25x, under 4/3: the step is 0.035 s; without it 0.035 - 0.025 + 0.02 x 4/3 = 0.0367 s.
     ("slower, but 3 devices would not be faster",
      {"measurement": measured({0: 0.02, 1: 0.02, 2: 0.02, 3: 0.025})}, JOB),
+    # Two devices: the other would do twice its work, so 1.8x does not pay (0.050 s > 0.046 s).
+    ("1.8x of one peer: the other alone would be slower",
+     {"measurement": measured({0: 0.02, 1: 0.036},
+                              layout=parse_layout("dp=2,tp=1,pp=1").with_devices([0, 1])),
+      "layout": parse_layout("dp=2,tp=1,pp=1").with_devices([0, 1]), "usable": (0, 1)}, JOB),
     ("minWorkers would not be kept", {}, parse_job(manifest({"enabled": True}, min_workers=4))),
     ("near the job's end", {"step": 58}, JOB),
     ("a request waits: it is the user's layout",
