@@ -33,6 +33,7 @@ from dynatrain.spec.job import JobSpec
 
 from .costmodel import SolverError
 from .measured import Measurement
+from .routing import MIN_SKEW
 from .policy import Decision, Policy, estimate_kwargs
 
 MIN_SAVING = 0.05
@@ -60,14 +61,18 @@ class Slow:
 
 def slowest(m: Measurement) -> Slow | None:
     """The device that stands out most from the others of its stage (None: no stage has two
-    devices, or none was measured)."""
+    devices, or none was measured). A stage whose MoE routing is skewed is not judged: its
+    expert-parallel ranks are meant to compute unlike amounts (:mod:`.routing` prices that)."""
     by_stage: dict[int, list[tuple[int, float]]] = {}
     for device, stage, compute in m.device_compute:
         by_stage.setdefault(stage, []).append((device, compute))
+    skew = m.stage_ep_imbalance
     found = None
     for stage, devices in sorted(by_stage.items()):
         if len(devices) < 2:
             continue
+        if stage < len(skew) and skew[stage] >= MIN_SKEW:
+            continue          # its EP ranks compute unlike shares of tokens: not a straggler
         device, compute = max(devices, key=lambda dc: (dc[1], -dc[0]))
         peers = statistics.median(c for d, c in devices if d != device)
         slow = Slow(device, stage, compute, peers)

@@ -43,15 +43,18 @@ def manifest(rebalance: dict | None = None, min_workers: int = 1) -> dict:
 JOB = parse_job(manifest({"enabled": True}))
 
 
-def measured(compute: dict[int, float], layout=DP4, comm: float = 0.01):
+def measured(compute: dict[int, float], layout=DP4, comm: float = 0.01, tokens=None):
     """A measurement of ``layout`` whose devices computed ``compute[d]`` s a step (the others
-    waited for the slowest at the all-reduce: every step is the slowest compute + ``comm``)."""
+    waited for the slowest at the all-reduce: every step is the slowest compute + ``comm``),
+    and, for an MoE layout, routed ``tokens`` per expert each."""
     costs = StepCosts(alpha=1.0)
     step = max(compute.values()) + comm
     for _ in range(1 + MIN_STEPS):
         for d in layout.device_of:
             costs.add(d, 3, {"step": step, "compute": compute[d],
                              "communication": step - compute[d], "redundancy": 0.0})
+            if tokens is not None:
+                costs.add_experts(d, 3, tokens)
     return costs.measurement(layout, predicted_seconds=0.03)
 
 
@@ -77,6 +80,15 @@ def test_the_slow_device_is_found_within_its_stage():
     pipe = parse_layout("dp=2,tp=1,pp=2").with_devices([0, 1, 2, 3])
     s = slowest(measured({0: 0.02, 1: 0.02, 2: 0.05, 3: 0.055}, layout=pipe))
     assert (s.device, s.stage) == (3, 1) and s.factor == pytest.approx(1.1)
+
+
+def test_an_expert_rank_busy_with_skewed_routing_is_no_straggler():
+    # dp=2,ep=2: each device is one EP rank. Device 1 computing 3x is a straggler when the
+    # routing is even, and not when its experts got every token (the routing explains it).
+    ep2 = parse_layout("dp=2,tp=1,pp=1,ep=2").with_devices([0, 1])
+    slow1 = {0: 0.02, 1: 0.06}
+    assert slowest(measured(slow1, layout=ep2, tokens=(5,) * 8)).device == 1
+    assert slowest(measured(slow1, layout=ep2, tokens=(10,) * 4 + (0,) * 4)) is None
 
 
 def test_a_straggler_is_left_out_when_the_others_are_faster_without_it():
