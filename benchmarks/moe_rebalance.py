@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ffn", type=int, default=256, help="each expert's width (default 256)")
     ap.add_argument("--seq-len", type=int, default=64, help="sequence length (default 64)")
     args = ap.parse_args(argv)
-    if args.layers < 2 or args.layers % 2:
-        ap.error(f"--layers {args.layers}: an even number >= 2 (one half per stage)")
+    if args.layers < 4 or args.layers % 2:
+        ap.error(f"--layers {args.layers}: an even number >= 4 (one half per stage, and more "
+                 "than one split to choose from)")
     if args.steps < 20:
         ap.error(f"--steps {args.steps}: at least 20, so a rebalanced layout is measured too")
     work = Path(tempfile.mkdtemp(prefix="moe-rebalance-"))
