@@ -214,13 +214,11 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     if v.request is not None and v.layout is not None:
         answer = waiting_answer(v.request, decision, len(v.usable))
     if decision is None:
-        target = rebalance(v, job, policy) if v.request is None else None
-        if target is not None:
-            routed = routing.routed_stage_costs(v.measurement, job.model, v.layout,
-                                                seq_len_of(job))
+        split = rebalance(v, job, policy) if v.request is None else None
+        if split is not None:
+            target, note = split
             return Switch(Decision(target, "rebalance", estimate(
-                job.model, target, profile, **estimate_kwargs(job)),
-                note=routing.describe(v.measurement) if routed else ""))
+                job.model, target, profile, **estimate_kwargs(job)), note=note))
         slow = straggler.leave_out(v, job, policy, profile) if v.request is None else None
         if slow is not None:
             return Switch(slow)
@@ -232,8 +230,9 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     return Switch(decision, answer)
 
 
-def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
-    """The running layout with its layers split again between its stages, when
+def rebalance(v: View, job: JobSpec, policy: Policy) -> tuple[Layout, str] | None:
+    """The running layout with its layers split again between its stages (and what priced
+    the stages, for the log: the MoE routing, or "" for the measured times), when
     ``spec.parallelism.rebalance`` is on and the measurement says it pays: the slowest stage
     measured at least ``threshold`` times the mean one (an MoE stage priced by its measured
     routing, :mod:`.routing`, where that is skewed), the split from :func:`balanced_stages`
@@ -271,7 +270,9 @@ def rebalance(v: View, job: JobSpec, policy: Policy) -> Layout | None:
     if saving < 0.05 * m.step_seconds or saving * reb.payback_steps < v.switch_cost_s:
         return None
     target = replace(lay, stages=split)
-    return None if layout_problems(target, job.model) else target
+    if layout_problems(target, job.model):
+        return None
+    return target, routing.describe(m) if routed else ""
 
 
 def waiting_answer(req: Request, decision: Decision | None, usable: int) -> Answer | None:

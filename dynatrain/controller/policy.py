@@ -92,7 +92,7 @@ class Policy:
             if cap < job.min_workers:
                 raise SolverError(f"{cap} usable workers, fewer than spec.elastic.minWorkers="
                                   f"{job.min_workers}")
-            best = self._best(job, profile, cap, kw)
+            best = self.best_on(job, profile, cap, kw)
             return self._place(job, current, usable, best, reason)
         steps_left = job.training.steps - step
         if job.mode == "fixed" and job.layout is not None \
@@ -103,17 +103,17 @@ class Policy:
             return None
         if job.mode != "fixed" and job.workers is not None and current.world > job.workers:
             # Fewer workers wanted (``kubectl scale`` down): at once, as a request is.
-            best = self._best(job, profile, cap, kw)
-            return self._shrink(job, current, usable, best)
+            best = self.best_on(job, profile, cap, kw)
+            return self.shrink(job, current, usable, best)
         if job.mode != "fixed" and share is not None and current.world > share:
             # Over its share of a pool another job waits in: the workers over it go, at once
             # (their pods are deleted, so the waiting job's pods take the GPUs).
-            best = self._best(job, profile, cap, kw)
-            return self._shrink(job, current, usable, best, "rebalance")
+            best = self.best_on(job, profile, cap, kw)
+            return self.shrink(job, current, usable, best, "rebalance")
         if job.mode != "fixed" and current.world > efficient:
             # Workers that add less than spec.elastic.minEfficiency: released, at once.
-            best = self._best(job, profile, cap, kw)
-            decision = self._shrink(job, current, usable, best, "release")
+            best = self.best_on(job, profile, cap, kw)
+            decision = self.shrink(job, current, usable, best, "release")
             decision.note = self.efficiency_note(job, profile, wanted)
             return decision
         if job.mode == "fixed" or steps_left < self.min_steps_left:
@@ -142,17 +142,8 @@ class Policy:
     def record_voluntary(self) -> None:
         self.last_voluntary = time.monotonic()
 
-    def best_on(self, job: JobSpec, profile: DeviceProfile, cap: int, kw: dict) -> Estimate:
-        """The solver's best layout on at most ``cap`` devices (for other decisions)."""
-        return self._best(job, profile, cap, kw)
-
-    def shrink(self, job: JobSpec, current: Layout, usable: list[int], best: Estimate,
-               reason: str) -> Decision:
-        """``best`` placed on ``usable``, keeping what moves least (for other decisions)."""
-        return self._shrink(job, current, usable, best, reason)
-
     @staticmethod
-    def _best(job, profile, cap: int, kw) -> Estimate:
+    def best_on(job, profile, cap: int, kw) -> Estimate:
         """The solver's best layout on the most devices (<= cap) that some layout can use."""
         if job.mode == "fixed" and job.layout is not None and job.layout.world <= cap:
             return solve(job.model, job.layout.world, profile, fixed=job.layout, **kw)
@@ -206,7 +197,7 @@ class Policy:
         return self._efficiency_cache["value"]
 
     @staticmethod
-    def _shrink(job, current: Layout, usable: list[int], best: Estimate,
+    def shrink(job, current: Layout, usable: list[int], best: Estimate,
                 reason: str = "scale-down") -> Decision:
         """Scale down: of the running layout's devices, keep the ones that make the switch
         move the fewest bytes over the network (every keep set is planned while there are at
