@@ -41,12 +41,12 @@ def job(model: str, steps: int, parallelism: dict) -> dict:
                      "training": {"steps": steps, "seqLen": 64}}}
 
 
-def run(work: Path, name: str, doc: dict, factor: float) -> dict:
-    """One ``dynatrain run``; its summary."""
+def run(work: Path, name: str, doc: dict, factor: float, device: int = 1) -> dict:
+    """One ``dynatrain run`` with ``device`` computing ``factor`` times slower; its summary."""
     manifest = work / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     summary = work / f"{name}.json"
-    env = {**os.environ, "DYNATRAIN_SLOWDOWN": f"device:1,factor:{factor}"}
+    env = {**os.environ, "DYNATRAIN_SLOWDOWN": f"device:{device},factor:{factor}"}
     proc = subprocess.run([sys.executable, "-m", "dynatrain", "run", str(manifest),
                            "--run-dir", str(work / name), "--summary-json", str(summary)],
                           capture_output=True, text=True, env=env, timeout=900)

@@ -11,6 +11,14 @@ it places no shard differently: it is how the layout *runs* (1F1B keeps at most 
 micro-batches' activations alive, GPipe all of them), so the solver weighs it with the other
 axes and a change of schedule is an ordinary switch, at a step boundary, that moves no bytes.
 
+Data-parallel shares (``shares=5+5+4+2``: micro-batches per data-parallel rank) are also
+part of how a layout runs and place no shard: by default the global batch is split evenly,
+and a device measured slower can be given fewer micro-batches. The step is the same whatever
+the shares: every rank scales its micro-batches' losses by 1 / (micro-batches of the whole
+step), so the summed gradient is the global mean, and the DP ranks still take contiguous runs
+of the global batch in order (:func:`micro_batch_shares`). Shares need ``ep=1``: an MoE
+layer's token exchange pairs the EP ranks' micro-batches one to one.
+
 Rank coordinates follow Megatron's default order ``tp-dp-pp`` (tp fastest, pp slowest), so a
 TP group is a run of consecutive ranks and, with 8 devices a node, stays inside one node.
 Expert parallelism is carved out of data parallelism: the dp index ``j`` splits into
@@ -33,7 +41,7 @@ SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules: every forward then every backward (GPipe), or one forward one backward
 once the pipeline is full (1F1B, PipeDream-Flush). Both run the backward passes in micro-batch
 order, so they accumulate gradients in the same order and train bit-identically."""
-_KEYS = ("dp", "tp", "pp", "ep", "zero", "stages", "order", "schedule")
+_KEYS = ("dp", "tp", "pp", "ep", "zero", "stages", "shares", "order", "schedule")
 
 
 class LayoutError(ValueError):
@@ -56,6 +64,9 @@ class Layout:
     """ZeRO stage: 0 (nothing sharded), 1 (master + moments sharded over DP), 3 (params too)."""
     stages: tuple[int, ...] | None = None
     """Layers per pipeline stage; None means as even as possible, first stages take the rest."""
+    shares: tuple[int, ...] | None = None
+    """Micro-batches per data-parallel rank; None means the global batch split evenly (equal
+    shares are stored as None)."""
     order: tuple[str, ...] = DEFAULT_ORDER
     """Rank order, fastest-varying axis first."""
     devices: tuple[int, ...] | None = None
@@ -78,6 +89,20 @@ class Layout:
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule={self.schedule!r} is not a pipeline schedule; valid: "
                             f"{', '.join(SCHEDULES)}")
+        if self.shares is not None:
+            shares = tuple(self.shares)
+            text = "+".join(map(str, shares))
+            if len(shares) != self.dp:
+                problems.append(f"shares={text} lists {len(shares)} data-parallel ranks but "
+                                f"dp={self.dp}")
+            if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shares):
+                problems.append(f"shares={text}: every data-parallel rank needs >= 1 "
+                                "micro-batch")
+            if self.ep != 1:
+                problems.append(f"shares={text} needs ep=1 (an MoE layer's token exchange "
+                                f"pairs the EP ranks' micro-batches one to one), not ep={self.ep}")
+            # Equal shares are the even split: one value, one text.
+            object.__setattr__(self, "shares", shares if len(set(shares)) > 1 else None)
         if problems:
             raise LayoutError("; ".join(problems))
         if self.devices is not None:
@@ -137,6 +162,8 @@ class Layout:
             parts.append(f"zero={self.zero}")
         if self.stages is not None and self.pp > 1:
             parts.append("stages=" + "+".join(map(str, self.stages)))
+        if self.shares is not None:
+            parts.append("shares=" + "+".join(map(str, self.shares)))
         if self.order != DEFAULT_ORDER:
             parts.append("order=" + "-".join(self.order))
         if self.schedule != "gpipe":
@@ -168,7 +195,7 @@ def parse_layout(text: str) -> Layout:
             problems.append(f"{key} is given twice")
             continue
         try:
-            if key == "stages":
+            if key in ("stages", "shares"):
                 values[key] = tuple(int(x) for x in raw.split("+"))
             elif key == "order":
                 values[key] = tuple(raw.split("-"))
@@ -177,7 +204,9 @@ def parse_layout(text: str) -> Layout:
             else:
                 values[key] = int(raw)
         except ValueError:
-            hint = "layer counts joined by '+', e.g. 12+10+10" if key == "stages" else "an integer"
+            hint = {"stages": "layer counts joined by '+', e.g. 12+10+10",
+                    "shares": "micro-batch counts joined by '+', e.g. 5+5+4+2"
+                    }.get(key, "an integer")
             problems.append(f"{key}={raw!r} is not {hint}")
     if problems:
         raise LayoutError(f"layout {text!r}: " + "; ".join(problems))
@@ -185,6 +214,29 @@ def parse_layout(text: str) -> Layout:
         return Layout(**values)
     except LayoutError as e:
         raise LayoutError(f"layout {text!r}: {e}") from None
+
+
+def micro_batch_shares(layout: Layout, global_batch: int, micro_batch: int) -> tuple[int, ...]:
+    """Micro-batches of each data-parallel rank in one step (rank ``j`` takes the run of the
+    global batch after ranks ``0..j-1``'s). Raises LayoutError, naming the values, when the
+    layout's shares do not sum to the step's micro-batches or the batch does not split evenly."""
+    total, rest = divmod(global_batch, micro_batch)
+    if rest or total < 1:
+        raise LayoutError(f"global_batch_size={global_batch} must be a positive multiple of "
+                          f"micro_batch_size={micro_batch}")
+    if layout.shares is None:
+        if total % layout.dp:
+            raise LayoutError(f"global_batch_size={global_batch} must be a multiple of dp * "
+                              f"micro_batch_size = {layout.dp} * {micro_batch} (or give "
+                              "uneven shares=..., one micro-batch count per data-parallel "
+                              "rank)")
+        return (total // layout.dp,) * layout.dp
+    if sum(layout.shares) != total:
+        raise LayoutError(f"shares={'+'.join(map(str, layout.shares))} sum to "
+                          f"{sum(layout.shares)} micro-batches, but a step has "
+                          f"global_batch_size / micro_batch_size = {global_batch} / "
+                          f"{micro_batch} = {total}")
+    return layout.shares
 
 
 def default_stages(num_layers: int, pp: int) -> tuple[int, ...]:

@@ -162,7 +162,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from dynatrain.vps.layout import Layout, bind, layout_problems
+from dynatrain.vps.layout import Layout, LayoutError, bind, layout_problems, micro_batch_shares
 from dynatrain.vps.model import DTYPE_BYTES, ModelSpec
 
 from dynatrain.spec.hardware import GiB, DeviceProfile
@@ -274,14 +274,15 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     """Throughput and peak memory of ``layout`` (see the module docstring for the formulas),
     under its pipeline schedule, with or without per-block activation checkpointing.
 
-    Raises SolverError if the layout cannot run the model at all (layout problems, or a
-    global batch that dp * micro_batch_size does not divide).
+    Raises SolverError if the layout cannot run the model at all (layout problems, a global
+    batch that dp * micro_batch_size does not divide, or shares that do not sum to it).
     """
     check_batch(model, global_batch_size, micro_batch_size, seq_len)
     problems = layout_problems(layout, model)
-    if global_batch_size % (layout.dp * micro_batch_size):
-        problems.append(f"global_batch_size={global_batch_size} is not a multiple of "
-                        f"dp * micro_batch_size = {layout.dp} * {micro_batch_size}")
+    try:
+        shares = micro_batch_shares(layout, global_batch_size, micro_batch_size)
+    except LayoutError as e:
+        problems.append(str(e))
     if problems:
         raise SolverError(f"layout {layout.to_text()!r} cannot run {model.name}: "
                           + "; ".join(problems))
@@ -298,7 +299,9 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     attn_rate = profile.rank_attention_flops(world, model.dtype)
     concurrent = profile.concurrent_ranks(world)
     links = _group_links(lay, profile)
-    m = global_batch_size // (dp * micro_batch_size)
+    # On devices alike, the data-parallel rank with the most micro-batches sets the pace
+    # (uneven shares pay off only where devices are not alike: the measured rule prices that).
+    m = max(shares)
     tokens = micro_batch_size * seq_len
     act_bytes = tokens * model.hidden_size * b
 

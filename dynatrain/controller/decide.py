@@ -20,8 +20,8 @@ network and no process of its own:
 - :func:`rebalance` (with :func:`.mixed.balanced_stages`): when the measured pipeline stages
   are uneven (:mod:`.measured`; an MoE stage by its measured routing, :mod:`.routing`), move
   layers between them, live (reason ``rebalance``);
-- a device measured persistently slower than its stage's others is left out when the job is
-  faster without it (:mod:`.straggler`);
+- a device measured persistently slower than its stage's others gets fewer micro-batches
+  (uneven data-parallel shares) or is left out, whichever is faster (:mod:`.straggler`);
 - devices of different speeds (:attr:`View.speeds`) get stages of like devices, weighted
   (:mod:`.mixed`).
 
@@ -219,7 +219,7 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
             target, note = split
             return Switch(Decision(target, "rebalance", estimate(
                 job.model, target, profile, **estimate_kwargs(job)), note=note))
-        slow = straggler.leave_out(v, job, policy, profile) if v.request is None else None
+        slow = straggler.relieve(v, job, policy, profile) if v.request is None else None
         if slow is not None:
             return Switch(slow)
         return Idle(answer=answer)

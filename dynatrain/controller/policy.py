@@ -128,10 +128,10 @@ class Policy:
             return self._place(job, current, usable, bigger, "scale-up")
         best = solve(job.model, current.world, profile, **kw, **lim)
         # The cost model prices a layout's degrees on uniform devices; how the layers are
-        # split between stages is the measured costs' call (decide.rebalance). So the running
-        # degrees are priced with even stages, and a switch that would only split them again
-        # is never "better".
-        even = replace(current, stages=None)
+        # split between stages and the micro-batches between data-parallel ranks are the
+        # measured costs' call (decide.rebalance, straggler.reshare). So the running degrees
+        # are priced even, and a switch that would only split them again is never "better".
+        even = replace(current, stages=None, shares=None)
         if best.layout.same_shape(even):
             return None
         now = estimate(job.model, even, profile, **kw)

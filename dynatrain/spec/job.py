@@ -24,7 +24,7 @@ import yaml
 
 from dynatrain.trainer.config import PRECISIONS, DataSource
 from dynatrain.trainer.schedule import LRSchedule
-from dynatrain.vps.layout import Layout, LayoutError, parse_layout
+from dynatrain.vps.layout import Layout, LayoutError, micro_batch_shares, parse_layout
 from dynatrain.vps.model import ModelSpec, ModelSpecError, model_from_dict
 from dynatrain.vps.presets import load_model
 
@@ -401,11 +401,13 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
                               f"dp*tp*pp = {layout.world} workers, more than "
                               f"spec.elastic.maxWorkers={max_w}: raise maxWorkers or choose a "
                               f"layout with at most {max_w} workers")
-        if gbs % (layout.dp * mbs):
-            r.problems.append(f"spec.parallelism.layout={par['layout']!r} (mode fixed): "
-                              f"dp * spec.training.microBatchSize = {layout.dp} * {mbs} must "
-                              f"divide {gbs_text}: every data-parallel rank takes the same "
-                              "number of whole micro-batches")
+        if gbs % mbs == 0:
+            try:
+                micro_batch_shares(layout, gbs, mbs)
+            except LayoutError as e:
+                r.problems.append(f"spec.parallelism.layout={par['layout']!r} (mode fixed) "
+                                  f"cannot split {gbs_text} by "
+                                  f"spec.training.microBatchSize={mbs}: {e}")
     suspend = r.bool(spec, "suspend", "spec", False)
     if model is not None and training.seq_len > model.max_seq_len:
         r.problems.append(f"spec.training.seqLen={training.seq_len} exceeds the model's "

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dynatrain.vps.layout import Layout, LayoutError, layout_problems, parse_layout
+from dynatrain.vps.layout import (Layout, LayoutError, layout_problems, micro_batch_shares,
+                                  parse_layout)
 from dynatrain.vps.model import ModelSpec
 from dynatrain.vps.presets import load_model
 
@@ -132,8 +133,9 @@ class TrainConfig:
             raise ConfigError("; ".join(problems))
 
     @property
-    def micro_batches_per_rank(self) -> int:
-        return self.global_batch_size // (self.layout.dp * self.micro_batch_size)
+    def micro_batch_shares(self) -> tuple[int, ...]:
+        """Micro-batches of each data-parallel rank in one step (the layout's shares, or even)."""
+        return micro_batch_shares(self.layout, self.global_batch_size, self.micro_batch_size)
 
     @property
     def sources(self) -> tuple[DataSource, ...]:
@@ -159,9 +161,11 @@ def config_problems(c: TrainConfig) -> list[str]:
     if c.global_batch_size < 1 or c.micro_batch_size < 1:
         p.append(f"global_batch_size={c.global_batch_size} and micro_batch_size="
                  f"{c.micro_batch_size} must be positive")
-    elif c.global_batch_size % (c.layout.dp * c.micro_batch_size):
-        p.append(f"global_batch_size={c.global_batch_size} must be a multiple of dp * "
-                 f"micro_batch_size = {c.layout.dp} * {c.micro_batch_size}")
+    else:
+        try:
+            micro_batch_shares(c.layout, c.global_batch_size, c.micro_batch_size)
+        except LayoutError as e:
+            p.append(str(e))
     if not 1 <= c.seq_len <= c.model.max_seq_len:
         p.append(f"seq_len={c.seq_len} must be in 1..{c.model.max_seq_len} "
                  f"(max_seq_len of {c.model.name})")

@@ -261,13 +261,16 @@ def token_source(config):
 
 
 def micro_batches(source, position: int, global_batch: int, dp: int, dp_index: int,
-                  micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                  micro_batch: int, shares: tuple[int, ...] | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This DP rank's (inputs, targets) micro-batches of the step starting at ``position``;
-    masked targets (SFT: everything but the assistant's tokens) are :data:`IGNORE_INDEX`."""
-    per_rank = global_batch // dp
-    first = position + dp_index * per_rank
+    masked targets (SFT: everything but the assistant's tokens) are :data:`IGNORE_INDEX`.
+    ``shares``: micro-batches per DP rank when uneven (the layout's), else an even split;
+    either way rank ``j`` takes the run of the global batch after ranks ``0..j-1``'s."""
+    counts = shares or (global_batch // (dp * micro_batch),) * dp
+    first = position + sum(counts[:dp_index]) * micro_batch
     out = []
-    for m in range(per_rank // micro_batch):
+    for m in range(counts[dp_index]):
         rows = [example(source, first + m * micro_batch + i) for i in range(micro_batch)]
         batch = torch.stack([tokens for tokens, _ in rows])     # (mb, T+1)
         targets = batch[:, 1:].clone()

@@ -261,9 +261,12 @@ class Trainer:
         for w in self.working.values():
             w.grad = None
         cfg, g, w = self.cfg, self.g, self.working
+        shares = cfg.micro_batch_shares
         batches = micro_batches(self.source, self.position, cfg.global_batch_size,
-                                self.lay.dp, g.dp_index, cfg.micro_batch_size)
-        scale = 1.0 / (len(batches) * self.lay.dp)
+                                self.lay.dp, g.dp_index, cfg.micro_batch_size, shares)
+        # Every micro-batch of the step weighs 1 / (the step's micro-batches), whatever this
+        # rank's share, so the DP ranks' summed gradients are the global mean.
+        scale = 1.0 / sum(shares)
         run = self._one_f_one_b if self.lay.schedule == "1f1b" else self._gpipe
         if self.model.is_moe and g.tp_index == 0:
             self.stage.tally = torch.zeros(self.model.num_experts, dtype=torch.int64,
@@ -288,9 +291,8 @@ class Trainer:
         self.step += 1
         samples = (self.position, self.position)
         if g.first_stage and g.tp_index == 0:
-            per_rank = cfg.global_batch_size // self.lay.dp
-            samples = (self.position + g.dp_index * per_rank,
-                       self.position + (g.dp_index + 1) * per_rank)
+            first = self.position + sum(shares[:g.dp_index]) * cfg.micro_batch_size
+            samples = (first, first + shares[g.dp_index] * cfg.micro_batch_size)
         self.position += cfg.global_batch_size
 
         # float64 so that the signal (small integers) and the loss share one all-reduce exactly.
@@ -298,7 +300,11 @@ class Trainer:
         # before the optimizer step), so reporting the norm costs no collective of its own.
         report = torch.zeros(3, dtype=torch.float64, device=self.device)
         if g.last_stage and g.tp_index == 0:
-            report[0] += torch.stack(losses).float().mean().double()
+            # The mean of this rank's micro-batches, weighted by its share of the step (1.0,
+            # exactly, when the shares are even), so the sum over DP ranks / dp is the mean
+            # over every micro-batch of the step.
+            weight = len(losses) * self.lay.dp / sum(shares)
+            report[0] += torch.stack(losses).float().mean().double() * weight
         report[1] = signal
         if norm is None:
             report[2] = square

@@ -166,6 +166,24 @@ def test_pipeline_bubble_shrinks_with_more_micro_batches():
     assert frac[0] > frac[1] > 0
 
 
+def test_uneven_shares_are_priced_by_the_rank_with_the_most_micro_batches():
+    # On devices alike, 7+7+7+3 of 24 micro-batches takes the step of 7 each (a batch of 28)
+    # and trains 24 sequences in it: uneven shares pay only where devices differ (the
+    # measured rule, controller/straggler.py, decides that).
+    uneven = estimate(GPT, parse_layout("dp=4,shares=7+7+7+3"), H100, global_batch_size=24,
+                      seq_len=128)
+    seven = estimate(GPT, parse_layout("dp=4"), H100, global_batch_size=28, seq_len=128)
+    six = estimate(GPT, parse_layout("dp=4"), H100, global_batch_size=24, seq_len=128)
+    assert uneven.step_seconds == pytest.approx(seven.step_seconds, rel=1e-12)
+    assert uneven.step_seconds > six.step_seconds
+    assert uneven.tokens_per_second == pytest.approx(24 * 128 / uneven.step_seconds)
+    with pytest.raises(SolverError, match="shares=7\\+7\\+7\\+3 sum to 24 micro-batches, "
+                                          "but a step has global_batch_size / "
+                                          "micro_batch_size = 28 / 1 = 28"):
+        estimate(GPT, parse_layout("dp=4,shares=7+7+7+3"), H100, global_batch_size=28,
+                 seq_len=128)
+
+
 def test_ranks_sharing_cores_leave_bubbles_to_busy_stages():
     dedicated = replace(CPU4, shared_cores=0)
     shared = replace(CPU4, shared_cores=2)            # 4 ranks on 2 cores
@@ -207,7 +225,7 @@ def test_fixed_layout_is_validated_and_estimated():
         solve(GPT, 8, CPU4, fixed=lay, **TINY)
     with pytest.raises(SolverError, match="tp=3 must divide the attention heads"):
         solve(GPT, 3, CPU4, fixed=parse_layout("tp=3"), **TINY)
-    with pytest.raises(SolverError, match="global_batch_size=6 is not a multiple of dp"):
+    with pytest.raises(SolverError, match="global_batch_size=6 must be a multiple of dp"):
         solve(GPT, 4, CPU4, fixed=parse_layout("dp=4"), global_batch_size=6, seq_len=128)
     with pytest.raises(SolverError, match=r"needs .* GiB per device"):
         solve(L7, 1, H100, fixed=parse_layout("dp=1"), global_batch_size=1, seq_len=128)

@@ -1,6 +1,7 @@
-"""A straggler is left out when the job is faster without it (#38 item 3): the slow device
-found within its stage, the rule's cases and an event replay without processes, and a local
-run with one worker slowed (DYNATRAIN_SLOWDOWN) whose controller leaves it out live."""
+"""A straggler gets fewer micro-batches, or is left out, whichever is faster (#38 item 3): the
+slow device found within its stage, the shares dealt by hand-computed cases, the rule's cases
+and event replays without processes, and local runs with one worker slowed
+(DYNATRAIN_SLOWDOWN) whose controller reshares or leaves it out live."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dynatrain.controller import decide
 from dynatrain.controller.decide import Idle, Switch, View
 from dynatrain.controller.measured import MIN_STEPS, StepCosts
 from dynatrain.controller.policy import Policy
-from dynatrain.controller.straggler import slowest
+from dynatrain.controller.straggler import shares_for, slowest
 from dynatrain.spec.hardware import PROFILES
 from dynatrain.spec.job import job_from_manifest as parse_job
 from dynatrain.vps.layout import parse_layout
@@ -26,9 +27,9 @@ PROFILE = replace(PROFILES["cpu"], shared_cores=0, memory_bytes=4 << 30)
 DP4 = parse_layout("dp=4,tp=1,pp=1").with_devices([0, 1, 2, 3])
 
 
-def manifest(rebalance: dict | None = None, min_workers: int = 1) -> dict:
+def manifest(rebalance: dict | None = None, min_workers: int = 1, batch: int = 12) -> dict:
     """gpt-tiny on up to 4 workers, data parallel only (maxTP 1, maxPP 1), a global batch of
-    12 (dp=4 and dp=3 both divide it)."""
+    12 (dp=4 and dp=3 both divide it) unless ``batch`` says otherwise."""
     par = {"mode": "auto", "limits": {"maxTP": 1, "maxPP": 1}}
     if rebalance is not None:
         par["rebalance"] = rebalance
@@ -36,7 +37,7 @@ def manifest(rebalance: dict | None = None, min_workers: int = 1) -> dict:
             "metadata": {"name": "straggler"},
             "spec": {"model": {"preset": "gpt-tiny"}, "resources": {"gpus": 0},
                      "elastic": {"minWorkers": min_workers, "maxWorkers": 4},
-                     "parallelism": par, "globalBatchSize": 12,
+                     "parallelism": par, "globalBatchSize": batch,
                      "training": {"steps": 60, "seqLen": 64}}}
 
 
@@ -138,6 +139,81 @@ def test_replayed_the_job_goes_on_without_the_straggler_and_does_not_take_it_bac
     assert sorted(grow.decision.layout.device_of) == [0, 1, 2, 4]
 
 
+# -- fewer micro-batches ------------------------------------------------------------------------
+JOB24 = parse_job(manifest({"enabled": True}, batch=24))
+SLOW2 = {0: 0.060, 1: 0.061, 2: 0.059, 3: 0.120}
+"""dp=4 with 6 micro-batches each (a global batch of 24): device 3 computes 2x its peers."""
+
+
+@pytest.mark.parametrize("rates, total, want", [
+    # 2x slower: 7+7+7+3 finishes at 7 units (the slow one at 6); 6+6+6+6 at 12.
+    ((1, 1, 1, 2), 24, (7, 7, 7, 3)),
+    # 4x slower: the slow rank keeps one micro-batch (4 units), the others 4, 4 and 3.
+    ((1, 1, 1, 4), 12, (4, 4, 3, 1)),
+    # Alike: the even split; ties go to the lower rank.
+    ((1, 1, 1), 7, (3, 2, 2)),
+    # Each rank keeps at least one micro-batch, however slow.
+    ((1, 100), 3, (2, 1)),
+])
+def test_the_micro_batches_are_dealt_so_the_slowest_rank_finishes_first(rates, total, want):
+    assert shares_for(list(rates), total) == want
+    # No other split finishes sooner (checked by trying them all for the small cases).
+    if len(rates) <= 3:
+        import itertools
+        best = min(max(r * s for r, s in zip(rates, split))
+                   for split in itertools.product(range(1, total + 1), repeat=len(rates))
+                   if sum(split) == total)
+        assert max(r * s for r, s in zip(rates, want)) == best
+
+
+def test_a_share_per_rank_is_needed():
+    with pytest.raises(ValueError, match="3 micro-batches cannot give each of 4"):
+        shares_for([1, 1, 1, 1], 3)
+
+
+def test_a_straggler_gets_fewer_micro_batches_when_that_is_faster_than_leaving_it_out():
+    # The step is 0.13 s. Dealt 7+7+7+3 by the measured 10/10.2/9.8/20 ms per micro-batch, the
+    # slowest rank computes 7 x 10.17 = 71.2 ms: 0.13 - 0.12 + 0.0712 = 81.2 ms. Left out,
+    # its peers would take 8 micro-batches each: 0.13 - 0.12 + 0.060 x 4/3 = 90 ms.
+    a = act(view(measured(SLOW2)), job=JOB24)
+    assert isinstance(a, Switch) and a.decision.reason == "rebalance", a
+    assert a.decision.left_out == ()
+    assert a.decision.layout.shares == (7, 7, 7, 3)
+    assert a.decision.layout.device_of == DP4.device_of
+    assert a.decision.layout.to_text() == "dp=4,tp=1,pp=1,shares=7+7+7+3"
+    assert "device 3 computes 2.00x" in a.decision.note
+    assert "shares 7+7+7+3 of the micro-batches" in a.decision.note
+    assert "81.2 ms estimated" in a.decision.note, a.decision.note
+
+
+def test_replayed_a_reshared_job_is_measured_afresh_and_left_as_it_is():
+    first = act(view(measured(SLOW2)), job=JOB24)
+    after = first.decision.layout
+    # The new generation: three ranks compute 7 micro-batches (70 ms), device 3 its 3 at
+    # 20 ms (60 ms). Nothing stands out, and the policy does not call the even split of the
+    # same degrees a better layout (it prices degrees, not shares).
+    m = measured({0: 0.070, 1: 0.071, 2: 0.069, 3: 0.060}, layout=after)
+    assert isinstance(act(view(m, layout=after, now=200.0), job=JOB24), Idle)
+    # Device 3 slows further, to 3x its peers per micro-batch (90 ms for its 3). Fewer
+    # micro-batches would no longer beat leaving it out: 8+7+7+2 and its peers' 8 each both
+    # end at 80 ms, 90 ms a step. On that tie the device goes (a device given back).
+    m = measured({0: 0.070, 1: 0.070, 2: 0.070, 3: 0.090}, layout=after)
+    again = act(view(m, layout=after, now=300.0), job=JOB24)
+    assert isinstance(again, Switch) and again.decision.left_out == (3,), again
+    assert "90.0 ms estimated with its 3 peers taking its share" in again.decision.note
+    assert again.decision.layout.shares is None
+
+
+def test_no_shares_for_an_mixture_of_experts_layout():
+    # An MoE layer's token exchange pairs the EP ranks' micro-batches one to one.
+    moe = parse_job({**manifest({"enabled": True}, batch=24),
+                     "spec": {**manifest({"enabled": True}, batch=24)["spec"],
+                              "model": {"preset": "moe-tiny"}}})
+    ep2 = parse_layout("dp=4,tp=1,pp=1,ep=2").with_devices([0, 1, 2, 3])
+    a = act(view(measured(SLOW2, layout=ep2, tokens=(6,) * 8), layout=ep2), job=moe)
+    assert not (isinstance(a, Switch) and a.decision.layout.shares), a
+
+
 # -- real workers -------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -161,3 +237,37 @@ def test_a_slowed_worker_is_left_out_live(tmp_path):
     assert parse_layout(after["layout"]).world == 3
     assert out["samples_exactly_once"]
     assert all(loss == loss for loss in out["losses"])          # finite, no NaN
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
+    """dp=4 over a global batch of 24, device 3 at 2x: its share drops from 6 micro-batches
+    to about 3 (the others take the rest, dealt by their measured rates: on 2 shared cores
+    7+7+7+3 or 8+6+7+3), and the step gets faster; the same samples are trained once."""
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest({"enabled": True}, batch=24)))
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "DYNATRAIN_SLOWDOWN": "device:3,factor:2"}
+    proc = subprocess.run([sys.executable, "-m", "dynatrain", "run", str(tmp_path / "job.yaml"),
+                           "--run-dir", str(tmp_path / "run"), "--summary-json", str(summary),
+                           "--margin", "100"],
+                          capture_output=True, text=True, timeout=500, env=env)
+    print(proc.stdout[-5000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, f"exit {proc.returncode}"
+    out = json.loads(summary.read_text())
+    [switch] = [s for s in out["switches"] if s["reason"] == "rebalance"]
+    assert switch["from"] == "dp=4,tp=1,pp=1"
+    shares = parse_layout(switch["to"]).shares
+    assert shares is not None and sum(shares) == 24 and shares[3] <= 4, switch
+    assert min(shares[:3]) > shares[3], switch
+    text = "+".join(map(str, shares))
+    assert "device 3 computes" in proc.stdout and f"shares {text} of the micro-batches" \
+        in proc.stdout
+    assert "left out" not in proc.stdout
+    before, after = out["measurements"][0], out["measurements"][-1]
+    assert before["layout"] == "dp=4,tp=1,pp=1" and after["layout"] == switch["to"]
+    print(f"step {before['step_seconds'] * 1e3:.1f} ms even, "
+          f"{after['step_seconds'] * 1e3:.1f} ms with shares {text}")
+    assert after["step_seconds"] < before["step_seconds"], (before, after)
+    assert out["samples_exactly_once"]
+    assert all(loss == loss for loss in out["losses"])

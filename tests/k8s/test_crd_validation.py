@@ -188,6 +188,14 @@ INVALID = [
     Case("fixed-layout-dp-not-dividing-batch", lambda d: d["spec"].__setitem__(
         "parallelism", {"mode": "fixed", "layout": "dp=3,tp=2"}),
         "spec.parallelism.layout", True),
+    # 10+10+10 micro-batches of 2 are 60 sequences, not the batch of 64.
+    Case("fixed-layout-shares-not-the-batch", lambda d: d["spec"].__setitem__(
+        "parallelism", {"mode": "fixed", "layout": "dp=3,tp=2,shares=10+10+11"}),
+        "spec.parallelism.layout", True),
+    Case("layout-shares-vs-dp", setting("spec.parallelism.layout", "dp=2,shares=8+8+16"),
+         "spec.parallelism.layout", True),
+    Case("layout-shares-with-ep", setting("spec.parallelism.layout", "dp=2,ep=2,shares=8+24"),
+         "spec.parallelism.layout", True),
     Case("lr-zero", setting("spec.training.learningRate", 0), "spec.training.learningRate",
          True),
     Case("seqlen-negative", setting("spec.training.seqLen", -1), "spec.training.seqLen", True),
@@ -324,6 +332,9 @@ VALID = {
                         "layout": "dp=2,tp=2,pp=2,zero=1,stages=12+12,order=tp-dp-pp"}),
     "fixed-layout-1f1b": lambda d: d["spec"].__setitem__(
         "parallelism", {"mode": "fixed", "layout": "dp=2,tp=2,pp=2,schedule=1f1b"}),
+    # Uneven shares: 10+11+11 micro-batches of 2 are the batch of 64, which dp=3 alone is not.
+    "fixed-layout-shares": lambda d: d["spec"].__setitem__(
+        "parallelism", {"mode": "fixed", "layout": "dp=3,tp=2,shares=10+11+11"}),
     "minimal": lambda d: d.__setitem__("spec", {
         "image": "dynatrain:0.1.0", "model": {"preset": "gpt-tiny"}, "resources": {"gpus": 0},
         "elastic": {"minWorkers": 1, "maxWorkers": 1}}),

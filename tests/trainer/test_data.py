@@ -126,10 +126,10 @@ def test_uint32_samples_do_not_depend_on_layout(tmp_path):
     src = FileTokens(str(path), BIG_VOCAB, 16, "uint32")
     gbs, position = 12, 36
 
-    def rows(dp, mb):
+    def rows(dp, mb, shares=None):
         out = []
         for j in range(dp):
-            for inputs, targets in micro_batches(src, position, gbs, dp, j, mb):
+            for inputs, targets in micro_batches(src, position, gbs, dp, j, mb, shares):
                 assert torch.equal(inputs[:, 1:], targets[:, :-1])
                 out += [torch.cat([i, t[-1:]]) for i, t in zip(inputs, targets)]
         return torch.stack(out)
@@ -138,6 +138,9 @@ def test_uint32_samples_do_not_depend_on_layout(tmp_path):
     assert int(want.max()) > 65_535
     for dp, mb in ((1, 1), (1, 4), (2, 3), (3, 2), (4, 1), (6, 2), (12, 1)):
         assert torch.equal(rows(dp, mb), want), (dp, mb)
+    # Uneven shares (micro-batches per DP rank) cut the same rows, in the same order.
+    for dp, mb, shares in ((2, 1, (9, 3)), (4, 1, (5, 5, 1, 1)), (3, 2, (1, 2, 3)), (5, 1, (1, 2, 3, 4, 2))):
+        assert torch.equal(rows(dp, mb, shares), want), (dp, mb, shares)
 
 
 def test_uint16_refused_for_a_large_vocabulary(tmp_path):

@@ -42,6 +42,9 @@ LAYOUTS = {
         "dp=2", "dp=4,zero=1", "tp=2", "tp=4", "pp=2", "pp=3", "pp=2,stages=3+1",
         "dp=2,zero=3", "tp=2,pp=2", "dp=2,tp=2,zero=1", "dp=2,pp=2,zero=1",
         "dp=2,tp=2,order=pp-dp-tp", "dp=2,pp=2,zero=3",
+        # Uneven data-parallel shares (a slow device's fewer micro-batches): the same step.
+        "dp=2,shares=3+5", "dp=3,shares=2+3+3,zero=1", "dp=2,pp=2,shares=1+7,schedule=1f1b",
+        "dp=2,zero=3,shares=6+2",
     ],
     "moe-tiny": [
         "dp=2,ep=2", "dp=4,ep=4", "dp=4,ep=2,zero=1", "tp=2", "tp=4", "dp=2,tp=2,ep=2",
@@ -178,6 +181,9 @@ def test_layouts_cover_every_axis_and_combination():
     ("tp=3", "tp=3 must divide the attention heads"),
     ("dp=3", "global_batch_size=8 must be a multiple of dp * micro_batch_size = 3 * 1"),
     ("dp=2,ep=2", "ep=2 needs an MoE model"),
+    ("dp=2,shares=3+4", "shares=3+4 sum to 7 micro-batches, but a step has global_batch_size"
+                        " / micro_batch_size = 8 / 1 = 8"),
+    ("dp=2,shares=8+0", "shares=8+0: every data-parallel rank needs >= 1 micro-batch"),
 ])
 def test_a_layout_that_does_not_fit_fails_before_any_process_starts(layout, fragment):
     with pytest.raises(ConfigError) as e:

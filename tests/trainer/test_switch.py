@@ -32,6 +32,8 @@ NAMED = [
     ("gpt-tiny", "tp=4", "dp=2,pp=2,zero=3"),              # ZeRO-3
     ("gpt-tiny", "dp=2,pp=2,zero=1", "dp=2"),              # 4 -> 2
     ("gpt-tiny", "pp=2", "tp=2,pp=2,stages=1+3"),          # 2 -> 4, uneven
+    ("gpt-tiny", "dp=4", "dp=4,shares=3+3+1+1"),           # uneven DP shares, no bytes
+    ("gpt-tiny", "dp=4,shares=1+1+3+3,zero=1", "dp=2"),    # 4 -> 2, shares even again
     ("moe-tiny", "dp=2,ep=2", "dp=4,ep=4"),                # EP 2 -> 4, joiners
     ("moe-tiny", "dp=4,ep=4,zero=1", "dp=2,ep=2"),         # EP 4 -> 2, leavers
     ("moe-tiny", "dp=4,ep=2", "tp=2,dp=2,ep=2"),           # EP -> EP x TP

@@ -1,6 +1,7 @@
 import pytest
 
-from dynatrain.vps.layout import Layout, LayoutError, bind, default_stages, parse_layout
+from dynatrain.vps.layout import (Layout, LayoutError, bind, default_stages, micro_batch_shares,
+                                  parse_layout)
 from dynatrain.vps.presets import PRESETS
 
 GPT, MOE, L70 = PRESETS["gpt-tiny"], PRESETS["moe-tiny"], PRESETS["llama-70b"]
@@ -15,6 +16,39 @@ def test_parse_full_text_form_and_round_trip():
 
 def test_defaults_are_one_and_zero_is_zero():
     assert parse_layout("tp=2") == Layout(dp=1, tp=2, pp=1, ep=1, zero=0)
+
+
+def test_shares_round_trip_and_equal_shares_are_the_even_split():
+    lay = parse_layout("dp=4,zero=1,shares=7+7+7+3")
+    assert lay.shares == (7, 7, 7, 3)
+    assert lay.to_text() == "dp=4,tp=1,pp=1,zero=1,shares=7+7+7+3"
+    assert parse_layout(lay.to_text()) == lay
+    # 6+6+6+6 is the even split: one value and one text, so no switch is made to it.
+    assert parse_layout("dp=4,shares=6+6+6+6") == parse_layout("dp=4")
+    assert not lay.same_shape(parse_layout("dp=4,zero=1"))
+
+
+@pytest.mark.parametrize("text, batch, micro, want", [
+    ("dp=4", 24, 1, (6, 6, 6, 6)),
+    ("dp=4,shares=7+7+7+3", 24, 1, (7, 7, 7, 3)),
+    ("dp=2,shares=1+3", 8, 2, (1, 3)),
+    ("dp=3,shares=2+3+3", 8, 1, (2, 3, 3)),      # uneven shares let dp=3 split a batch of 8
+])
+def test_micro_batch_shares(text, batch, micro, want):
+    assert micro_batch_shares(parse_layout(text), batch, micro) == want
+
+
+@pytest.mark.parametrize("text, batch, micro, fragment", [
+    ("dp=3", 8, 1, "global_batch_size=8 must be a multiple of dp * micro_batch_size = 3 * 1 "
+                   "(or give uneven shares=..."),
+    ("dp=2,shares=1+3", 8, 1, "shares=1+3 sum to 4 micro-batches, but a step has "
+                              "global_batch_size / micro_batch_size = 8 / 1 = 8"),
+    ("dp=2", 9, 2, "global_batch_size=9 must be a positive multiple of micro_batch_size=2"),
+])
+def test_micro_batch_shares_that_do_not_split_the_batch_are_named(text, batch, micro, fragment):
+    with pytest.raises(LayoutError) as e:
+        micro_batch_shares(parse_layout(text), batch, micro)
+    assert fragment in str(e.value)
 
 
 def test_default_stages_front_load_the_remainder():
@@ -40,6 +74,10 @@ def test_ranks_follow_the_order_tp_fastest_by_default():
     ("dp=0", "dp=0 must be a positive integer"),
     ("order=tp-dp", "must be a permutation of tp, dp, pp"),
     ("stages=1+x", "layer counts joined by '+'"),
+    ("dp=2,shares=3", "shares=3 lists 1 data-parallel ranks but dp=2"),
+    ("dp=2,shares=3+0", "every data-parallel rank needs >= 1 micro-batch"),
+    ("dp=2,shares=3+x", "micro-batch counts joined by '+'"),
+    ("dp=2,ep=2,shares=3+1", "shares=3+1 needs ep=1"),
     ("", "is empty"),
 ])
 def test_malformed_text_is_named(text, fragment):
