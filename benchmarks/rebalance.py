@@ -57,26 +57,52 @@ def run(work: Path, name: str, doc: dict, factor: float, device: int = 1) -> dic
 
 
 def try_splits(shape: str, layers: int, run_fixed, rows: list) -> tuple[str, float]:
-    """Every split of ``layers`` between the two stages of ``shape``, each run as a fixed
-    layout by ``run_fixed(name, layout)`` (-> its summary); each printed as it comes, the
-    best added to ``rows``. Returns the best (layout, step seconds)."""
+    """Every split of ``layers`` between the two stages of ``shape``, tried by
+    :func:`try_layouts`."""
+    return try_layouts([f"{shape},stages={first}+{layers - first}" for first in range(1, layers)],
+                       run_fixed, rows, "splits")
+
+
+def try_layouts(layouts: list[str], run_fixed, rows: list, what: str) -> tuple[str, float]:
+    """Each of ``layouts`` run as a fixed layout by ``run_fixed(name, layout)`` (-> its
+    summary); each printed as it comes, the best added to ``rows`` (as the best of all
+    ``what``). Returns the best (layout, step seconds)."""
     tried = []
-    for first in range(1, layers):
-        layout = f"{shape},stages={first}+{layers - first}"
-        out = run_fixed(f"fixed-{first}", layout)
+    for n, layout in enumerate(layouts, 1):
+        out = run_fixed(f"fixed-{n}", layout)
         tried.append((layout, out["measurements"][-1]["step_seconds"]))
         print(f"  tried {layout}: {tried[-1][1] * 1e3:.1f} ms/step", flush=True)
     best = min(tried, key=lambda t: t[1])
-    rows.append((f"best of all {len(tried)} splits: {best[0]}", best[1]))
+    rows.append((f"best of all {len(tried)} {what}: {best[0]}", best[1]))
     return best
 
 
-def print_rows(rows: list) -> None:
-    """(label, step seconds) rows as a table."""
+def live_rows(live: dict, verb: str) -> tuple[list, str | None]:
+    """The live run's rows (its step before its last ``rebalance`` switch, and after it, in
+    ``verb``'s words) and the layout it switched to (None if it did not)."""
+    switches = [s for s in live["switches"] if s["reason"] == "rebalance"]
+    by_layout = {m["layout"]: m for m in live["measurements"]}
+    rows = [(f"even (before the {verb})", live["measurements"][0]["step_seconds"])]
+    if not switches:
+        rows.append((f"{verb}d live: no rebalance happened", float("nan")))
+        return rows, None
+    chosen = switches[-1]["to"]
+    rows.append((f"{verb}d live at step {switches[-1]['step']} to {chosen}",
+                 by_layout[chosen]["step_seconds"]))
+    return rows, chosen
+
+
+def print_rows(rows: list, chosen: str | None = None, best: tuple | None = None,
+               verb: str = "rebalance", what: str = "split") -> None:
+    """(label, step seconds) rows as a table, then whether the live run (its ``verb``) chose
+    the best ``what`` that trying them all found."""
     print()
     width = max(len(r[0]) for r in rows)
     for label, seconds in rows:
         print(f"  {label:<{width}}  {seconds * 1e3:8.1f} ms/step")
+    if chosen is not None and best is not None:
+        print(f"\nthe live {verb} chose {chosen}; trying every {what} found {best[0]} "
+              f"({'the same' if chosen == best[0] else 'another'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,24 +122,12 @@ def main(argv: list[str] | None = None) -> int:
 
     live = run(work, "live", job(args.model, args.steps, {
         "mode": "auto", "limits": {"maxTP": 1}, "rebalance": {"enabled": True}}), args.factor)
-    switches = [s for s in live["switches"] if s["reason"] == "rebalance"]
-    by_layout = {m["layout"]: m for m in live["measurements"]}
-    rows = [("even (before the rebalance)", live["measurements"][0]["step_seconds"])]
-    chosen = None
-    if switches:
-        chosen = switches[-1]["to"]
-        rows.append((f"rebalanced live at step {switches[-1]['step']} to {chosen}",
-                     by_layout[chosen]["step_seconds"]))
-    else:
-        rows.append(("rebalanced live: no rebalance happened", float("nan")))
+    rows, chosen = live_rows(live, "rebalance")
 
     best = try_splits("dp=1,tp=1,pp=2", layers, lambda name, layout: run(
         work, name, job(args.model, args.steps, {"mode": "fixed", "layout": layout}),
         args.factor), rows)
-    print_rows(rows)
-    if chosen is not None:
-        print(f"\nthe live rebalance chose {chosen}; trying every split found {best[0]} "
-              f"({'the same' if chosen == best[0] else 'another'})")
+    print_rows(rows, chosen, best)
     return 0
 
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rebalance import print_rows, run  # noqa: E402  (the sibling benchmark)
+from rebalance import live_rows, print_rows, run, try_layouts  # noqa: E402  (the sibling benchmark)
 
 SLOW = 3
 
@@ -69,35 +69,18 @@ def main(argv: list[str] | None = None) -> int:
 
     live = once("live", job(args.steps, args.batch, 4, {
         "mode": "auto", "limits": {"maxTP": 1, "maxPP": 1}, "rebalance": {"enabled": True}}))
-    switches = [s for s in live["switches"] if s["reason"] == "rebalance"]
-    by_layout = {m["layout"]: m for m in live["measurements"]}
-    rows = [("even (before the reshare)", live["measurements"][0]["step_seconds"])]
-    chosen = None
-    if switches:
-        chosen = switches[-1]["to"]
-        rows.append((f"reshared live at step {switches[-1]['step']} to {chosen}",
-                     by_layout[chosen]["step_seconds"]))
-    else:
-        rows.append(("reshared live: no rebalance happened", float("nan")))
+    rows, chosen = live_rows(live, "reshare")
 
-    tried = []
-    for keep in range(1, args.batch // 4):
-        layout = f"dp=4,tp=1,pp=1,shares={dealt(args.batch, keep)}"
-        out = once(f"keep-{keep}", job(args.steps, args.batch, 4,
-                                       {"mode": "fixed", "layout": layout}))
-        tried.append((layout, out["measurements"][-1]["step_seconds"]))
-        print(f"  tried {layout}: {tried[-1][1] * 1e3:.1f} ms/step", flush=True)
-    best = min(tried, key=lambda t: t[1])
-    rows.append((f"best of the {len(tried)} uneven shares: {best[0]}", best[1]))
+    best = try_layouts([f"dp=4,tp=1,pp=1,shares={dealt(args.batch, keep)}"
+                        for keep in range(1, args.batch // 4)],
+                       lambda name, layout: once(name, job(args.steps, args.batch, 4, {
+                           "mode": "fixed", "layout": layout})), rows, "uneven shares")
     if args.batch % 3 == 0:
         out = once("without", job(args.steps, args.batch, 3,
                                   {"mode": "fixed", "layout": "dp=3,tp=1,pp=1"}))
         rows.append((f"without device {SLOW}: dp=3,tp=1,pp=1",
                      out["measurements"][-1]["step_seconds"]))
-    print_rows(rows)
-    if chosen is not None:
-        print(f"\nthe live reshare chose {chosen}; trying every share found {best[0]} "
-              f"({'the same' if chosen == best[0] else 'another'})")
+    print_rows(rows, chosen, best, "reshare", "share")
     return 0
 
 

@@ -206,18 +206,21 @@ def leave_out(v, job: JobSpec, policy: Policy, profile: DeviceProfile,
         return None
     n = sum(1 for _, stage, _ in m.device_compute if stage == slow.stage)
     # Its peers take its micro-batches: per micro-batch, a peer computes its own time over
-    # its share (the same figure for every rank when the shares are even).
-    per_micro = peer_rate(m, lay, job, slow)
-    without = m.step_seconds - slow.compute + per_micro * n / (n - 1)
+    # its share (the same figure for every rank when the shares are even). Where the best
+    # layout cannot use every other device (dp=3 does not split a batch of 8), the devices it
+    # does use take the idle ones' work too.
+    unused = len(others) / best.layout.world
+    without = m.step_seconds - slow.compute + peer_rate(m, lay, slow) * n / (n - 1) * unused
     decision = policy.shrink(job, lay, others, best, "rebalance")
     decision.left_out = (slow.device,)
     decision.note = (f"{slow}: left out; the step measured {m.step_seconds * 1e3:.1f} ms, "
                      f"{without * 1e3:.1f} ms estimated with its {n - 1} peers taking its "
-                     f"share; now {best.layout.to_text()}")
+                     f"share{'' if unused == 1 else f' on {best.layout.world} devices'}; "
+                     f"now {best.layout.to_text()}")
     return decision, without
 
 
-def peer_rate(m: Measurement, lay: Layout, job: JobSpec, slow: Slow) -> float:
+def peer_rate(m: Measurement, lay: Layout, slow: Slow) -> float:
     """The median compute of ``slow``'s stage peers, as if each had an even share of the
     step's micro-batches (their measured compute when the shares are even)."""
     if lay.shares is None:
