@@ -170,7 +170,7 @@ class WorkerPods(Room):
         """The workers the job would use: its maxWorkers (or ``kubectl scale``'s count), those
         that pay off under spec.elastic.minEfficiency (the policy's count)."""
         c = self.controller
-        return c.policy.efficient_workers(self.job, c.profile,
+        return c.policy.efficient_workers(self.job, c.decision_profile,
                                           self.job.workers or self.job.max_workers)
 
     def wanted(self) -> int:

@@ -33,14 +33,14 @@ from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import decide, measured, polling, recovery, suspend
+from . import decide, feedback, measured, polling, recovery, suspend
 from .suspend import Parked
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
 from .adopt import adopt as _adopt
 from .errors import JobFailed, SuspendFailed, layout_text as _text
 from .orchestrator import SwitchFailed, SwitchRecord, Timeouts, switch
-from .costmodel import SolverError, estimate
+from .costmodel import Estimate, SolverError, estimate
 from .policy import Policy, estimate_kwargs
 from .progress import Progress
 from .share import Share
@@ -141,8 +141,10 @@ class JobController:
         """The running generation's measured step split, per device (:mod:`.measured`)."""
         self.measurements: dict[int, measured.Measurement] = {}
         """Generation -> its latest measurement against the cost model (refreshed each tick)."""
-        self._predicted: tuple[int, float] | None = None
-        """(generation, the cost model's step seconds for its layout), computed once."""
+        self._predicted: tuple[int, Estimate | None] | None = None
+        """(generation, the cost model's estimate for its layout), computed once."""
+        self.feedback = feedback.Feedback()
+        """The measured ratios fed back to the solver, and each shape's measured step."""
         self._last_pause_s = 1.0
         """The latest generation's pause (a start's included): what a switch is taken to cost
         the job, for the rebalance's payback (1 s before any)."""
@@ -316,7 +318,7 @@ class JobController:
         made, if any."""
         self.poll()
         self._measure()
-        action = decide.next_action(self.view(), self.policy, self.job, self.profile)
+        action = decide.next_action(self.view(), self.policy, self.job, self.decision_profile)
         req = self.pending_request()
         if isinstance(action, decide.Finished):
             for r in self.requests:
@@ -356,22 +358,36 @@ class JobController:
             return
         if self._predicted is None or self._predicted[0] != gen:
             self._predicted = (gen, self._predict(layout))
-        m = self.costs.measurement(layout, self._predicted[1])
+        predicted = self._predicted[1]
+        m = self.costs.measurement(layout, predicted.step_seconds if predicted else 0.0)
         if m is None:
             return
-        if gen not in self.measurements:
-            self.log(str(m))
+        first = gen not in self.measurements
         self.measurements[gen] = m
         self.metrics.set_measured(m.step_seconds, m.predicted_seconds)
+        self.feedback.add(gen, m, predicted)
+        if first:
+            self.log(str(m))
+            if self.job.rebalance.enabled:     # once a generation: the figures move each step
+                self.log(f"calibrated: {self.feedback.factors} the cost model's figures, "
+                         f"measured over {len(self.feedback.by_generation)} generation(s); "
+                         "the solver prices layouts with them")
 
-    def _predict(self, layout: Layout) -> float:
-        """The cost model's step seconds for ``layout`` on the job's profile (0: it has none,
+    @property
+    def decision_profile(self) -> DeviceProfile:
+        """The profile decisions price layouts on: the job's, calibrated by its measurements
+        when ``spec.parallelism.rebalance`` is on (:mod:`.feedback`)."""
+        if not self.job.rebalance.enabled:
+            return self.profile
+        return feedback.calibrated(self.profile, self.feedback.factors)
+
+    def _predict(self, layout: Layout) -> Estimate | None:
+        """The cost model's estimate for ``layout`` on the job's profile (None: it has none,
         e.g. a layout the model cannot price)."""
         try:
-            return estimate(self.job.model, layout, self.profile,
-                            **estimate_kwargs(self.job)).step_seconds
+            return estimate(self.job.model, layout, self.profile, **estimate_kwargs(self.job))
         except SolverError:
-            return 0.0
+            return None
 
     def view(self) -> decide.View:
         """The controller's state as the values :mod:`.decide` reads."""
@@ -386,7 +402,7 @@ class JobController:
             wait_below_minimum=self.wait_below_minimum, speeds=dict(self.device_speeds),
             request=decide.Request(req.layout) if req is not None else None,
             measurement=self.measurements.get(self.generation_running),
-            switch_cost_s=self._last_pause_s,
+            switch_cost_s=self._last_pause_s, measured_steps=dict(self.feedback.steps),
             share=self.share.workers if self.share is not None and self.share.contended
             else None)
 

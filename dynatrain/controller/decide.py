@@ -94,6 +94,9 @@ class View:
     speeds: dict[int, float] = field(default_factory=dict)
     """Device -> its speed (FLOP/s of its node's GPU, where the front end knows it): devices
     of different speeds get pipeline stages of like devices, weighted (:mod:`.mixed`)."""
+    measured_steps: dict[str, float] = field(default_factory=dict)
+    """Layout shape (canonical text) -> the step seconds the job measured on it
+    (:mod:`.feedback`)."""
     wait_below_minimum: bool = False
     """Pushed under its minimum by notices, the job waits at a checkpoint instead of failing
     (the front end can hold it: the operator, for a job with ``spec.checkpoint``)."""
@@ -203,7 +206,7 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
         return Idle(f"devices {suspects} missed Status: the watchdog decides about them first")
     try:
         decision = policy.decide(job, profile, v.layout, list(v.usable), set(v.doomed), v.step,
-                                 share=v.share)
+                                 share=v.share, measured=v.measured_steps)
     except SolverError as e:
         if v.layout is None or must_leave:
             return GiveUp(f"no layout fits the devices left: {e}")

@@ -68,12 +68,15 @@ class Policy:
 
     def decide(self, job: JobSpec, profile: DeviceProfile, current: Layout | None,
                usable: list[int], doomed: set[int], step: int,
-               share: int | None = None) -> Decision | None:
+               share: int | None = None,
+               measured: dict[str, float] | None = None) -> Decision | None:
         """The switch to make now, if any.
 
         ``usable``: devices that are up and not doomed; ``doomed``: devices with a notice (or
         gone) that the running layout must leave; ``share``: the most workers the job may
-        hold while its pool is shared with waiting jobs (:mod:`.share`; None: no bound).
+        hold while its pool is shared with waiting jobs (:mod:`.share`; None: no bound);
+        ``measured``: layout shape (canonical text) -> the step seconds the job measured on it
+        (:mod:`.feedback`): a shape it ran is judged by that, not by the cost model.
         """
         usable = sorted(usable)
         if share is not None and share < job.min_workers:
@@ -136,6 +139,12 @@ class Policy:
             return None
         now = estimate(job.model, even, profile, **kw)
         if best.tokens_per_second < self.margin * now.tokens_per_second:
+            return None
+        ran, running = (measured or {}).get(best.layout.to_text()), \
+            (measured or {}).get(current.to_text())
+        if ran is not None and running is not None and ran * self.margin > running:
+            # Measured beats modelled: the job ran that layout and it was not enough faster
+            # (so two layouts cannot take turns being "better").
             return None
         return self._place(job, current, usable, best, "better-layout")
 

@@ -41,7 +41,7 @@ def recover(ctl: JobController) -> SwitchRecord | None:
     old, failed = ctl.layout, tuple(sorted(ctl.failed & set(ctl.members)))
     t0 = time.monotonic()
     try:
-        decision = ctl.policy.decide(ctl.job, ctl.profile, old, ctl.usable,
+        decision = ctl.policy.decide(ctl.job, ctl.decision_profile, old, ctl.usable,
                                      set(ctl.doomed) | set(failed), ctl.progress.step)
     except SolverError as e:
         raise JobFailed(f"devices {list(failed)} failed and no layout fits the "

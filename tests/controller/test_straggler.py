@@ -284,6 +284,8 @@ def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
     assert "device 3 computes" in proc.stdout and f"shares {text} of the micro-batches" \
         in proc.stdout
     assert "left out" not in proc.stdout
+    # The decisions priced layouts on the measured figures (controller/feedback.py).
+    assert "calibrated: compute x" in proc.stdout
     before = out["measurements"][0]
     after = next(m for m in out["measurements"] if m["layout"] == switch["to"])
     assert before["layout"] == "dp=4,tp=1,pp=1"

@@ -1,0 +1,140 @@
+"""The running job's measurements fed back to the cost model (#38 item 1).
+
+The solver prices layouts on a device profile (a preset, or this machine probed); the running
+job measures how far off that is (:mod:`.measured`). A single ratio of measured over predicted
+step time would change no choice: every candidate layout would be scaled alike. What does
+change choices is *which part* the model gets wrong. So the measured step is split as the
+workers report it, and set against the prediction's own split:
+
+- **compute**: the busiest pipeline stage's compute, each stage taken at the *median* of its
+  devices (a straggler is one device's problem, :mod:`.straggler`'s, not the profile's),
+  against the prediction's ``compute + optimizer``;
+- **waits**: what is left of the measured step, ``step - the slowest device's compute`` (the
+  time that device, which waits for no one, spends in collectives and pipeline exchanges),
+  against the prediction's communication and bubble terms.
+
+Each ratio is a property of the devices or of their links, not of the layout, so it carries
+over to the layouts the job has not run: :func:`calibrated` scales the profile's compute rates
+by one and its link bandwidths and latencies by the other, and the solver then prices every
+candidate with the job's own figures. :class:`Feedback` keeps the ratios of the last few
+generations (their geometric mean, so one layout's noise does not swing the choice), bounded
+and rounded to 5% steps (a decision changes only when the figures do), and the step time each
+layout shape measured, so that a layout the job ran and measured slower is not chosen again
+as "better" (:meth:`~.policy.Policy.decide`: measured beats modelled, and two layouts cannot
+take turns).
+
+Used for the decisions when ``spec.parallelism.rebalance`` is on (the measured decisions);
+the measured/predicted ratio in the log and the metrics stays against the uncalibrated profile.
+Pure: no torch, grpc or kubernetes (the decisions' import contract).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+
+from dynatrain.spec.hardware import DeviceProfile
+
+from .costmodel import Estimate
+from .measured import Measurement
+
+COMPUTE_PARTS = ("compute", "optimizer")
+"""Parts of :attr:`.costmodel.Estimate.breakdown` a device spends computing."""
+WAIT_PARTS = ("bubble", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "zero_comm", "other")
+"""Parts it spends waiting: in collectives, exchanges, and the pipeline's fill and drain."""
+BOUNDS = (1 / 100, 100.0)
+"""A ratio outside these is clamped: a prediction that far off says the profile is wrong
+(the wrong device class), not how fast this one is."""
+QUANTUM = 0.05
+"""Ratios are rounded to steps of 5% (on a log scale)."""
+GENERATIONS = 3
+"""How many generations' ratios are averaged."""
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Measured over predicted, per part of the step (1.0: the profile is right)."""
+
+    compute: float = 1.0
+    waits: float = 1.0
+
+    def __str__(self) -> str:
+        return f"compute x{self.compute:.2f}, waits x{self.waits:.2f}"
+
+
+def _rounded(ratio: float) -> float:
+    lo, hi = BOUNDS
+    ratio = min(max(ratio, lo), hi)
+    step = math.log1p(QUANTUM)
+    return round(math.exp(round(math.log(ratio) / step) * step), 4)
+
+
+def factors(m: Measurement, predicted: Estimate) -> Factors | None:
+    """The ratios of one measurement against the prediction for its layout (None when the
+    prediction has no such part or nothing was measured)."""
+    if not m.device_compute:
+        return None
+    by_stage: dict[int, list[float]] = {}
+    for _, stage, seconds in m.device_compute:
+        by_stage.setdefault(stage, []).append(seconds)
+    compute = max(statistics.median(v) for v in by_stage.values())
+    waits = max(0.0, m.step_seconds - max(s for _, _, s in m.device_compute))
+    p_compute = sum(predicted.breakdown.get(k, 0.0) for k in COMPUTE_PARTS)
+    p_waits = sum(predicted.breakdown.get(k, 0.0) for k in WAIT_PARTS)
+    if p_compute <= 0 or compute <= 0:
+        return None
+    # A layout with (next to) nothing to wait for says nothing about the links.
+    waits_ratio = waits / p_waits if p_waits > 1e-3 * p_compute and waits > 0 else 1.0
+    return Factors(_rounded(compute / p_compute), _rounded(waits_ratio))
+
+
+def calibrated(profile: DeviceProfile, f: Factors) -> DeviceProfile:
+    """``profile`` with its compute ``f.compute`` times slower and its links ``f.waits`` times
+    slower (bandwidths divided, latencies multiplied): an estimate on it scales each compute
+    term by ``f.compute`` and each communication term by ``f.waits``."""
+    if f == Factors():
+        return profile
+    c, w = f.compute, f.waits
+    return replace(
+        profile,
+        name=f"{profile.name} (measured: {f})",
+        flops_per_second=profile.flops_per_second / c,
+        fp32_flops_per_second=profile.fp32_flops_per_second / c,
+        attention_flops_per_second=profile.attention_flops_per_second / c,
+        memory_bytes_per_second=profile.memory_bytes_per_second / c,
+        elementwise_bytes_per_second=profile.elementwise_bytes_per_second / c,
+        op_seconds=profile.op_seconds * c,
+        intra_node_bytes_per_second=profile.intra_node_bytes_per_second / w,
+        inter_node_bytes_per_second=profile.inter_node_bytes_per_second / w,
+        latency_seconds=profile.latency_seconds * w,
+        group_latency_seconds=tuple((n, s * w) for n, s in profile.group_latency_seconds))
+
+
+@dataclass
+class Feedback:
+    """The job's measured ratios over its last generations, and each layout shape's measured
+    step time (see the module docstring)."""
+
+    by_generation: dict[int, Factors] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)
+    """Layout shape (canonical text) -> the step seconds it measured last."""
+
+    def add(self, generation: int, m: Measurement, predicted: Estimate | None) -> None:
+        """The running generation's newest measurement (it replaces that generation's last)."""
+        self.steps[m.layout] = m.step_seconds
+        f = factors(m, predicted) if predicted is not None else None
+        if f is not None:
+            self.by_generation[generation] = f
+            for old in sorted(self.by_generation)[:-GENERATIONS]:
+                del self.by_generation[old]
+
+    @property
+    def factors(self) -> Factors:
+        """The geometric mean of the kept generations' ratios, rounded (1.0 with none)."""
+        if not self.by_generation:
+            return Factors()
+        kept = list(self.by_generation.values())
+        return Factors(*(_rounded(math.exp(statistics.fmean(math.log(getattr(f, part))
+                                                              for f in kept)))
+                         for part in ("compute", "waits")))
