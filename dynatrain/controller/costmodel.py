@@ -205,6 +205,10 @@ class Estimate:
     stage_activations: tuple[int, ...] = ()
     """Peak activation bytes of each pipeline stage's busiest rank, under the layout's
     schedule (the ``activations`` term per stage)."""
+    stage_compute: tuple[float, ...] = ()
+    """Seconds each pipeline stage's ranks compute per micro-batch, forward and backward
+    (``c_s`` in the module docstring): what a stage costs with its layers, for the per-layer
+    model of :mod:`.layercost`."""
 
     def __str__(self) -> str:
         fits = "" if self.fits else f" (does not fit in {format_gib(self.available_bytes)})"
@@ -424,4 +428,4 @@ def estimate(model: ModelSpec, layout: Layout, profile: DeviceProfile, *,
     return Estimate(layout=layout, tokens_per_second=global_batch_size * seq_len / step,
                     step_seconds=step, memory_bytes=peak, breakdown=breakdown,
                     fits=peak <= available, memory_breakdown=mem, available_bytes=available,
-                    stage_activations=tuple(stage_acts))
+                    stage_activations=tuple(stage_acts), stage_compute=tuple(compute))

@@ -19,7 +19,8 @@ network and no process of its own:
 - :func:`choose_restore`: where a recovery restores from (which step, which mirrors);
 - :func:`rebalance` (with :func:`.mixed.balanced_stages`): when the measured pipeline stages
   are uneven (:mod:`.measured`; an MoE stage by its measured routing, :mod:`.routing`), move
-  layers between them, live (reason ``rebalance``);
+  layers between them, live (reason ``rebalance``), each layer priced by the cost model's
+  per-layer figures scaled to its stage's measured time (:mod:`.layercost`);
 - a device measured persistently slower than its stage's others gets fewer micro-batches
   (uneven data-parallel shares) or is left out, whichever is faster (:mod:`.straggler`);
 - devices of different speeds (:attr:`View.speeds`) get stages of like devices, weighted
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from dynatrain.vps.layout import Layout, default_stages, layout_problems
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from . import mixed, routing, straggler
+from . import layercost, mixed, routing, straggler
 from .mixed import balanced_stages
 from .costmodel import SolverError, estimate
 from .measured import Measurement
@@ -217,7 +218,7 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     if v.request is not None and v.layout is not None:
         answer = waiting_answer(v.request, decision, len(v.usable))
     if decision is None:
-        split = rebalance(v, job, policy) if v.request is None else None
+        split = rebalance(v, job, policy, profile) if v.request is None else None
         if split is not None:
             target, note = split
             return Switch(Decision(target, "rebalance", estimate(
@@ -233,7 +234,8 @@ def next_action(v: View, policy: Policy, job: JobSpec, profile: DeviceProfile) -
     return Switch(decision, answer)
 
 
-def rebalance(v: View, job: JobSpec, policy: Policy) -> tuple[Layout, str] | None:
+def rebalance(v: View, job: JobSpec, policy: Policy,
+              profile: DeviceProfile | None = None) -> tuple[Layout, str] | None:
     """The running layout with its layers split again between its stages (and what priced
     the stages, for the log: the MoE routing, or "" for the measured times), when
     ``spec.parallelism.rebalance`` is on and the measurement says it pays: the slowest stage
@@ -260,11 +262,17 @@ def rebalance(v: View, job: JobSpec, policy: Policy) -> tuple[Layout, str] | Non
     if v.now - policy.last_voluntary < policy.cooldown_s:
         return None
     stages = lay.stages or default_stages(job.model.num_layers, lay.pp)
-    split = balanced_stages(costs, stages)
+    # What a stage computes whatever its layers (embedding, head and loss), from the cost
+    # model's per-layer figures scaled to the measured stage (:mod:`.layercost`); an MoE
+    # stage priced by its routing spreads its cost over its layers.
+    fixed = None if routed or profile is None else layercost.fixed_seconds(
+        costs, stages, layercost.stage_model(job, lay, stages, profile))
+    split = balanced_stages(costs, stages, fixed)
     if split == tuple(stages):
         return None
-    per_layer = [c / n for c, n in zip(costs, stages)]
-    saving = max(costs) - max(k * r for k, r in zip(split, per_layer))
+    fixed = fixed or (0.0,) * len(stages)
+    per_layer = [(c - f) / n for c, f, n in zip(costs, fixed, stages)]
+    saving = max(costs) - max(f + k * r for f, k, r in zip(fixed, split, per_layer))
     if routed:
         # A layer's routing costs the same on any stage: only the pipeline's overlap gains,
         # the (m-1) of m micro-batches that wait for the slowest stage (none with m = 1,

@@ -36,20 +36,24 @@ SPREAD = 1.05
 """Speeds within this factor of each other count as one device kind: nothing is weighed."""
 
 
-def balanced_stages(stage_compute: tuple[float, ...], stages: tuple[int, ...]
-                    ) -> tuple[int, ...]:
+def balanced_stages(stage_compute: tuple[float, ...], stages: tuple[int, ...],
+                    fixed: tuple[float, ...] | None = None) -> tuple[int, ...]:
     """The split of the same layers between the same stages that minimises the slowest
-    stage, if each layer of stage i costs what stage i measured per layer
-    (``stage_compute[i] / stages[i]``: the device's speed and the layers' mix as measured).
-    One layer at a time goes to the stage it slows least: optimal for this min-max (each
-    stage's cost grows linearly with its layers). Ties go to the earlier stage."""
+    stage, if each layer of stage i costs what stage i measured per layer: stage i with k
+    layers costs ``fixed[i] + k * (stage_compute[i] - fixed[i]) / stages[i]`` (``fixed``: what
+    a stage computes whatever its layers, the embedding or the head, :mod:`.layercost`; none
+    when not given: the device's speed and the layers' mix as measured, spread over its
+    layers). One layer at a time goes to the stage it slows least: optimal for this min-max
+    (each stage's cost grows linearly with its layers). Ties go to the earlier stage."""
     if len(stage_compute) != len(stages) or not stages or min(stages) < 1:
         raise ValueError(f"stage_compute {stage_compute} and stages {stages} must name the "
                          "same stages, each with at least one layer")
-    per_layer = [c / n for c, n in zip(stage_compute, stages)]
+    fixed = fixed or (0.0,) * len(stages)
+    per_layer = [(c - f) / n for c, f, n in zip(stage_compute, fixed, stages)]
     split = [1] * len(stages)
     for _ in range(sum(stages) - len(stages)):
-        i = min(range(len(split)), key=lambda k: ((split[k] + 1) * per_layer[k], k))
+        i = min(range(len(split)),
+                key=lambda k: (fixed[k] + (split[k] + 1) * per_layer[k], k))
         split[i] += 1
     return tuple(split)
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynatrain.controller import decide
+from dynatrain.controller import decide, layercost
+from dynatrain.controller.costmodel import estimate
 from dynatrain.controller.decide import Idle, Switch, View, balanced_stages
 from dynatrain.controller.measured import MIN_STEPS, StepCosts
-from dynatrain.controller.policy import Policy
+from dynatrain.controller.policy import Policy, estimate_kwargs
 from dynatrain.spec.hardware import PROFILES
 from dynatrain.spec.job import JobError, job_from_manifest as parse_job
 from dynatrain.vps.faults import slowdown
@@ -83,6 +84,37 @@ def act(v: View, job=JOB, policy: Policy | None = None):
 ])
 def test_balanced_stages_by_hand(compute, stages, expected):
     assert balanced_stages(compute, stages) == expected
+
+
+def test_what_a_stage_computes_whatever_its_layers_stays_with_it():
+    # 8 layers on 2 stages, 4 + 4, measured 0.4 s and 0.7 s, of which 0.4 s on stage 1 is the
+    # head and loss: its layers cost 0.075 s each, stage 0's 0.1 s. 6 + 2 then gives
+    # max(0.6, 0.4 + 0.15) = 0.6 s, 5 + 3 max(0.5, 0.625) = 0.625 s. Spread over the layers
+    # (0.175 s each on stage 1) the head would seem to leave with them, and 5 + 3 (0.525 s
+    # by that reckoning, 0.625 s in fact) would win.
+    assert balanced_stages((0.4, 0.7), (4, 4), (0.0, 0.4)) == (6, 2)
+    assert balanced_stages((0.4, 0.7), (4, 4)) == (5, 3)
+
+
+def test_the_per_layer_model_is_the_cost_model_on_every_split():
+    job = parse_job(manifest())
+    model = layercost.stage_model(job, PIPE, (2, 2), PROFILE)
+    assert model is not None
+    (fixed0, fixed1), (layer0, layer1) = model
+    assert layer0 == pytest.approx(layer1, rel=1e-12)           # the blocks are alike
+    # Stage 0's embedding lookup is small; stage 1's final norm, head and loss over gpt-tiny's
+    # 2,048-token vocabulary cost most of a block.
+    assert 0 < fixed0 < 0.1 * layer0 and 0.5 * layer1 < fixed1 < layer1, model
+    for split in ((1, 3), (3, 1)):
+        priced = estimate(job.model, replace(PIPE, devices=None, stages=split), PROFILE,
+                          **estimate_kwargs(job)).stage_compute
+        assert priced == pytest.approx((fixed0 + split[0] * layer0, fixed1 + split[1] * layer1),
+                                       rel=1e-9)
+    # A middle stage holds layers only; with one layer on a stage the model adds one to it.
+    (f0, f_mid, f2), _ = layercost.stage_model(job, parse_layout("pp=3"), (2, 1, 1), PROFILE)
+    assert f_mid == pytest.approx(0.0, abs=1e-12) and f2 == pytest.approx(fixed1, rel=1e-9)
+    # Nothing to move: every stage holds one layer.
+    assert layercost.stage_model(job, parse_layout("pp=4"), (1, 1, 1, 1), PROFILE) is None
 
 
 def test_balanced_stages_refuses_mismatched_input():
