@@ -35,7 +35,7 @@ from dynatrain.vps.stagecost import training_flops_per_token
 from dynatrain.vps.transition import TransitionConfig
 
 from .errors import SwitchAborted
-from .metrics import TrainingSample
+from .metrics import STEP_PHASES, TrainingSample
 from .training_log import TrainingLog
 from .v1 import agent_pb2 as pb
 from .worker_control import CHECKPOINT_SIGNAL, Pending, Previous, State, WorkerControl
@@ -465,7 +465,10 @@ class TrainingLoop:
                             compute_seconds=r.phases.get("compute", 0.0),
                             communication_seconds=r.phases.get("communication", 0.0),
                             redundancy_seconds=r.phases.get("redundancy", 0.0),
-                            expert_tokens=r.expert_tokens)
+                            expert_tokens=r.expert_tokens,
+                            forward_seconds=r.phases.get("forward", 0.0),
+                            backward_seconds=r.phases.get("backward", 0.0),
+                            memory_bytes=r.memory_bytes)
         with self.control.lock:
             self.control.records.append(rec)
             self.control.tokens_per_second = r.tokens_per_second
@@ -476,7 +479,9 @@ class TrainingLoop:
         rate, gradient norm, samples, modelled MFU, checkpoint age) there, in a step line
         every ``log_every`` steps and in TensorBoard."""
         t, owner = self.control.trainer, self.control.rank == 0
-        phases = dict(r.phases)
+        # The split that sums to the step (forward and backward are parts of compute; the
+        # controller reads them from the step record).
+        phases = {k: v for k, v in r.phases.items() if k in STEP_PHASES}
         phases["redundancy"] = phases.get("redundancy", 0.0) + snapshot_seconds
         devices = self.control.layout.world * self.job.gpus_per_worker if self.job.gpus_per_worker \
             else self.control.layout.world

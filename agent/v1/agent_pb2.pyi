@@ -138,7 +138,7 @@ class StatusRequest(_message.Message):
     def __init__(self, since_step: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time", "compute_seconds", "communication_seconds", "redundancy_seconds", "expert_tokens")
+    __slots__ = ("step", "loss", "seconds", "tokens_per_second", "generation", "sample_begin", "sample_end", "end_time", "compute_seconds", "communication_seconds", "redundancy_seconds", "expert_tokens", "forward_seconds", "backward_seconds", "memory_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,9 @@ class StepRecord(_message.Message):
     COMMUNICATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REDUNDANCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     seconds: float
@@ -163,7 +166,10 @@ class StepRecord(_message.Message):
     communication_seconds: float
     redundancy_seconds: float
     expert_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., communication_seconds: _Optional[float] = ..., redundancy_seconds: _Optional[float] = ..., expert_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    forward_seconds: float
+    backward_seconds: float
+    memory_bytes: int
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., generation: _Optional[int] = ..., sample_begin: _Optional[int] = ..., sample_end: _Optional[int] = ..., end_time: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., communication_seconds: _Optional[float] = ..., redundancy_seconds: _Optional[float] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class SwitchReport(_message.Message):
     __slots__ = ("generation", "from_layout", "to_layout", "step", "pause_seconds", "bytes_sent", "bytes_received")

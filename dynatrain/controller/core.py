@@ -359,7 +359,8 @@ class JobController:
         if self._predicted is None or self._predicted[0] != gen:
             self._predicted = (gen, self._predict(layout))
         predicted = self._predicted[1]
-        m = self.costs.measurement(layout, predicted.step_seconds if predicted else 0.0)
+        m = self.costs.measurement(layout, predicted.step_seconds if predicted else 0.0,
+                                   predicted_memory=predicted.memory_bytes if predicted else 0)
         if m is None:
             return
         first = gen not in self.measurements

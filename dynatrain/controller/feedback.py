@@ -11,12 +11,16 @@ workers report it, and set against the prediction's own split:
   against the prediction's ``compute + optimizer``;
 - **waits**: what is left of the measured step, ``step - the slowest device's compute`` (the
   time that device, which waits for no one, spends in collectives and pipeline exchanges),
-  against the prediction's communication and bubble terms.
+  against the prediction's communication and bubble terms;
+- **memory**: the device with the most memory at its steps (a GPU's peak allocated, a CPU
+  worker's resident memory) against the predicted peak per device.
 
 Each ratio is a property of the devices or of their links, not of the layout, so it carries
 over to the layouts the job has not run: :func:`calibrated` scales the profile's compute rates
-by one and its link bandwidths and latencies by the other, and the solver then prices every
-candidate with the job's own figures. :class:`Feedback` keeps the ratios of the last few
+by the first and its link bandwidths and latencies by the second, and, where the job needs
+more memory than predicted, shrinks the memory a layout may fill by the third (never grows
+it: a model that overestimates is only safe); the solver then prices every candidate with
+the job's own figures. :class:`Feedback` keeps the ratios of the last few
 generations (their geometric mean, so one layout's noise does not swing the choice), bounded
 and rounded to 5% steps (a decision changes only when the figures do), and the step time each
 layout shape measured, so that a layout the job ran and measured slower is not chosen again
@@ -58,9 +62,11 @@ class Factors:
 
     compute: float = 1.0
     waits: float = 1.0
+    memory: float = 1.0
 
     def __str__(self) -> str:
-        return f"compute x{self.compute:.2f}, waits x{self.waits:.2f}"
+        return (f"compute x{self.compute:.2f}, waits x{self.waits:.2f}, "
+                f"memory x{self.memory:.2f}")
 
 
 def _rounded(ratio: float) -> float:
@@ -86,13 +92,17 @@ def factors(m: Measurement, predicted: Estimate) -> Factors | None:
         return None
     # A layout with (next to) nothing to wait for says nothing about the links.
     waits_ratio = waits / p_waits if p_waits > 1e-3 * p_compute and waits > 0 else 1.0
-    return Factors(_rounded(compute / p_compute), _rounded(waits_ratio))
+    memory_ratio = (m.memory_bytes / predicted.memory_bytes
+                    if m.memory_bytes and predicted.memory_bytes else 1.0)
+    return Factors(_rounded(compute / p_compute), _rounded(waits_ratio), _rounded(memory_ratio))
 
 
 def calibrated(profile: DeviceProfile, f: Factors) -> DeviceProfile:
     """``profile`` with its compute ``f.compute`` times slower and its links ``f.waits`` times
-    slower (bandwidths divided, latencies multiplied): an estimate on it scales each compute
-    term by ``f.compute`` and each communication term by ``f.waits``."""
+    slower (bandwidths divided, latencies multiplied), so that an estimate on it scales each
+    compute term by ``f.compute`` and each communication term by ``f.waits``; and its memory
+    divided by ``f.memory`` where that is over 1 (a layout fits only with the room the job
+    was measured to need over the prediction)."""
     if f == Factors():
         return profile
     c, w = f.compute, f.waits
@@ -108,7 +118,8 @@ def calibrated(profile: DeviceProfile, f: Factors) -> DeviceProfile:
         intra_node_bytes_per_second=profile.intra_node_bytes_per_second / w,
         inter_node_bytes_per_second=profile.inter_node_bytes_per_second / w,
         latency_seconds=profile.latency_seconds * w,
-        group_latency_seconds=tuple((n, s * w) for n, s in profile.group_latency_seconds))
+        group_latency_seconds=tuple((n, s * w) for n, s in profile.group_latency_seconds),
+        memory_bytes=int(profile.memory_bytes / max(1.0, f.memory)))
 
 
 @dataclass
@@ -137,4 +148,4 @@ class Feedback:
         kept = list(self.by_generation.values())
         return Factors(*(_rounded(math.exp(statistics.fmean(math.log(getattr(f, part))
                                                               for f in kept)))
-                         for part in ("compute", "waits")))
+                         for part in ("compute", "waits", "memory")))

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 from dynatrain.vps.layout import Layout
 
+GiB = 1 << 30
+
 SMOOTHING = 0.3
 """Weight of the newest step in the smoothed means (about the last 3 steps count most)."""
 
@@ -40,7 +42,9 @@ WARMUP_STEPS = 1
 MIN_STEPS = 3
 """Steps every device of the layout must have reported before a :class:`Measurement` is made."""
 
-PARTS = ("step", "compute", "communication", "redundancy")
+PARTS = ("step", "compute", "communication", "redundancy", "forward", "backward", "memory")
+"""Seconds, each part of the step (forward and backward are parts of compute), and the
+device's memory in bytes."""
 
 
 @dataclass
@@ -87,6 +91,14 @@ class Measurement:
     device_compute: tuple[tuple[int, int, float], ...] = ()
     """(device, pipeline stage, smoothed compute seconds per step) of every device of the
     layout, in rank order: who within a stage is the slow one (:mod:`.straggler`)."""
+    stage_forward: tuple[float, ...] = ()
+    stage_backward: tuple[float, ...] = ()
+    """Each pipeline stage's forward and backward compute seconds per step (its slowest
+    device's; () when the workers did not report them)."""
+    memory_bytes: int = 0
+    """The device with the most memory at its steps (0: not reported)."""
+    predicted_memory_bytes: int = 0
+    """The cost model's peak memory per device for the layout (0: none)."""
 
     @property
     def ratio(self) -> float:
@@ -135,15 +147,25 @@ class Measurement:
                 "ratio": round(self.ratio, 4),
                 "stage_compute_seconds": [round(s, 6) for s in self.stage_compute],
                 "imbalance": round(self.imbalance, 4),
-                "communication_seconds": round(self.communication_seconds, 6)}
+                "communication_seconds": round(self.communication_seconds, 6),
+                "stage_forward_seconds": [round(s, 6) for s in self.stage_forward],
+                "stage_backward_seconds": [round(s, 6) for s in self.stage_backward],
+                "memory_bytes": self.memory_bytes,
+                "predicted_memory_bytes": self.predicted_memory_bytes}
 
     def __str__(self) -> str:
         predicted = (f" vs {self.predicted_seconds:.3f} s predicted (x{self.ratio:.2f})"
                      if self.predicted_seconds > 0 else "")
         stages = "/".join(f"{s:.3f}" for s in self.stage_compute)
         return (f"measured {self.layout}: step {self.step_seconds:.3f} s{predicted}; "
-                f"stage compute {stages} s (imbalance {self.imbalance:.2f}), communication "
-                f"{self.communication_seconds:.3f} s, over {self.steps} steps"
+                f"stage compute {stages} s (imbalance {self.imbalance:.2f}"
+                + (", forward/backward " + "/".join(f"{f:.3f}+{b:.3f}" for f, b in zip(
+                    self.stage_forward, self.stage_backward)) if any(self.stage_forward) else "")
+                + f"), communication {self.communication_seconds:.3f} s"
+                + (f", memory {self.memory_bytes / GiB:.2f} GiB" + (
+                    f" vs {self.predicted_memory_bytes / GiB:.2f} predicted"
+                    if self.predicted_memory_bytes else "") if self.memory_bytes else "")
+                + f", over {self.steps} steps"
                 + (f"; experts' tokens max/mean {self.expert_skew:.2f}, over the {self.ep} EP "
                    f"ranks {self.ep_imbalance:.2f}" + (
                        " (by stage " + "/".join(f"{x:.2f}" for x in self.stage_ep_imbalance)
@@ -219,15 +241,16 @@ class StepCosts:
     def _slowest(self, devices, part: str) -> float:
         return max(self.devices[d].means.get(part, 0.0) for d in devices)
 
-    def stage_compute(self, layout: Layout) -> tuple[float, ...]:
-        """Each pipeline stage's compute: the slowest of its devices (after :meth:`steps` > 0)."""
+    def stage_compute(self, layout: Layout, part: str = "compute") -> tuple[float, ...]:
+        """Each pipeline stage's ``part``: the slowest of its devices (after :meth:`steps`)."""
         by_stage: list[list[int]] = [[] for _ in range(layout.pp)]
         for rank, device in enumerate(layout.device_of):
             by_stage[layout.coords(rank)[0]].append(device)
-        return tuple(self._slowest(devices, "compute") for devices in by_stage)
+        return tuple(self._slowest(devices, part) for devices in by_stage)
 
     def measurement(self, layout: Layout, predicted_seconds: float,
-                    min_steps: int = MIN_STEPS) -> Measurement | None:
+                    min_steps: int = MIN_STEPS, predicted_memory: int = 0
+                    ) -> Measurement | None:
         """The figures of ``layout`` once every device of it has counted ``min_steps``."""
         steps = self.steps(layout)
         if steps < min_steps:
@@ -239,4 +262,7 @@ class StepCosts:
                            self.stage_experts(layout), layout.ep,
                            tuple((d, layout.coords(rank)[0],
                                   self.devices[d].means.get("compute", 0.0))
-                                 for rank, d in enumerate(devices)))
+                                 for rank, d in enumerate(devices)),
+                           self.stage_compute(layout, "forward"),
+                           self.stage_compute(layout, "backward"),
+                           int(self._slowest(devices, "memory")), predicted_memory)

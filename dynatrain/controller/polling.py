@@ -118,7 +118,8 @@ def ingest(ctl: JobController, device: int, st) -> None:
             ctl.costs.add(device, rec.generation, {
                 "step": rec.seconds, "compute": rec.compute_seconds,
                 "communication": rec.communication_seconds,
-                "redundancy": rec.redundancy_seconds})
+                "redundancy": rec.redundancy_seconds, "forward": rec.forward_seconds,
+                "backward": rec.backward_seconds, "memory": float(rec.memory_bytes)})
             ctl.costs.add_experts(device, rec.generation, rec.expert_tokens)
         p.losses.setdefault(rec.step, rec.loss)
         if rec.end_time:

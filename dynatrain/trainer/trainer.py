@@ -31,6 +31,7 @@ schedule change, live or not, leaves the training bit-identical.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -109,6 +110,64 @@ class StepResult:
     expert_tokens: tuple[int, ...] = ()
     """MoE: the tokens this rank's micro-batches routed to each expert (global index), over
     its stage's layers; reported by TP index 0 only (the others route the same tokens)."""
+    memory_bytes: int = 0
+    """This rank's memory at the step: on a GPU the peak allocated during it, on a CPU the
+    process's resident memory at its end (0: not known, not Linux)."""
+
+
+class PartTimer:
+    """Seconds a step's forward and backward passes compute, summed over its micro-batches.
+
+    On a CPU: each pass's wall time less its waits in collectives (the step's ``compute``
+    phase is measured the same way). On a GPU, whose kernels run after the host has moved on:
+    CUDA events on the compute stream around each pass, read once at the end of the step, so
+    timing costs no synchronisation inside it (a pass's TP all-reduces, which the stream waits
+    for, count in it there)."""
+
+    PARTS = ("forward", "backward")
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.host = dict.fromkeys(self.PARTS, 0.0)
+        self.events: dict[str, list] = {k: [] for k in self.PARTS}
+
+    def start(self, part: str):
+        if self.cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            return begin
+        return time.perf_counter(), waited_seconds()
+
+    def stop(self, part: str, started) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events[part].append((started, end))
+        else:
+            t, w = started
+            self.host[part] += (time.perf_counter() - t) - (waited_seconds() - w)
+
+    def seconds(self) -> dict[str, float]:
+        if not self.cuda:
+            return dict(self.host)
+        out = {}
+        for part, pairs in self.events.items():
+            if pairs:
+                pairs[-1][1].synchronize()
+            out[part] = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+        return out
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Trainer:
@@ -165,6 +224,8 @@ class Trainer:
         """Count the bytes saved for backward in each step (``StepResult.activation_bytes``);
         off by default: the hooks cost a little Python per saved tensor."""
         self.slowdown = 1.0
+        self.parts = PartTimer(self.device)
+        """The forward and backward passes' compute seconds in the step (:class:`PartTimer`)."""
         """Compute this many times slower (a test's simulated slow device: the worker sets it
         from ``DYNATRAIN_SLOWDOWN``, :func:`dynatrain.vps.faults.slowdown`)."""
         self._dense = [n for n, s in self.specs.items() if s.expert_dim is None]
@@ -260,6 +321,9 @@ class Trainer:
             self._gather_zero3()
         for w in self.working.values():
             w.grad = None
+        self.parts.reset()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         cfg, g, w = self.cfg, self.g, self.working
         shares = cfg.micro_batch_shares
         batches = micro_batches(self.source, self.position, cfg.global_batch_size,
@@ -322,10 +386,14 @@ class Trainer:
         communication = waited_seconds() - waited0 - mirror_waited
         phases = {"compute": max(0.0, seconds - communication - mirror_seconds),
                   "communication": communication, "redundancy": mirror_seconds}
+        # A simulated slower device is slower in each pass (its sleep followed the passes).
+        phases.update({k: v * max(1.0, self.slowdown) for k, v in self.parts.seconds().items()})
+        memory = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                  else resident_bytes())
         return StepResult(self.step, loss, seconds, cfg.tokens_per_step / seconds,
                           float(report[1]), samples, grad_norm, self.lr, phases,
                           activation_bytes,
-                          tuple(tally.tolist()) if tally is not None else ())
+                          tuple(tally.tolist()) if tally is not None else (), memory)
 
     # -- pipeline schedules --------------------------------------------------------------------
     # Messages between neighbouring stages: activations forward under tag 0, their gradients
@@ -363,6 +431,7 @@ class Trainer:
         scaled loss on the last stage, else the output, which goes to the next stage)."""
         inputs, targets = batch
         w = self.working
+        started = self.parts.start("forward")
         if self.g.first_stage:
             x = self.stage.embed(inputs.to(self.device), w)
         else:
@@ -371,15 +440,18 @@ class Trainer:
         if self.g.last_stage:
             loss = self.stage.loss(y, targets.to(self.device), w)
             losses.append(loss.detach())
-            return x, loss * scale
+            y = loss * scale
+        self.parts.stop("forward", started)
         return x, y
 
     def _backward(self, x, y, grad) -> torch.Tensor | None:
         """Backward of one micro-batch; the gradient of its input for the previous stage."""
+        started = self.parts.start("backward")
         if grad is None:
             y.backward()                                      # last stage: from the loss
         else:
             y.backward(grad)
+        self.parts.stop("backward", started)
         return None if self.g.first_stage else x.grad
 
     def _gpipe(self, batches, scale: float) -> list:

@@ -58,6 +58,27 @@ def test_the_ratios_by_hand():
     assert factors(m, p) == Factors(step5(15), step5(14)) == Factors(2.0789, 1.9799)
 
 
+def test_memory_measured_over_its_prediction_shrinks_the_room_a_layout_may_fill():
+    costs = StepCosts(alpha=1.0)
+    for _ in range(1 + MIN_STEPS):
+        for d in DP4.device_of:
+            costs.add(d, 3, {"step": 0.3, "compute": 0.2, "communication": 0.1,
+                             "redundancy": 0.0, "memory": float(3 << 30)})
+    m = costs.measurement(DP4, predicted_seconds=0.3)
+    est = replace(predicted(compute=0.1, dp_comm=0.05), memory_bytes=2 << 30)
+    # 3 GiB measured over 2 GiB predicted: 1.5 -> 1.05^8 = 1.4775.
+    assert factors(m, est).memory == step5(8) == 1.4775
+    model, lay = PRESETS["gpt-350m"], parse_layout("dp=2")
+    kw = dict(global_batch_size=32, seq_len=1024)
+    need = estimate(model, lay, H100, **kw).memory_bytes
+    room = replace(H100, memory_bytes=int(need * 1.2))          # fits with 20% to spare
+    assert estimate(model, lay, room, **kw).fits
+    # Measured to need 48% more than predicted: it no longer fits.
+    assert not estimate(model, lay, calibrated(room, Factors(memory=step5(8))), **kw).fits
+    # A model that overestimates memory never makes more room.
+    assert calibrated(room, Factors(memory=0.5)).memory_bytes == room.memory_bytes
+
+
 def test_a_layout_with_nothing_to_wait_for_says_nothing_about_the_links():
     m = measured({0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2}, step=0.25)
     assert factors(m, predicted(compute=0.1)).waits == 1.0
@@ -77,7 +98,8 @@ def test_the_calibrated_profile_scales_each_part_of_an_estimate():
     # The gradient all-reduce: its link time x3, its bucket packing (memory-bound) x2.
     assert 2 * base["dp_comm"] < slow["dp_comm"] < 3 * base["dp_comm"]
     assert calibrated(H100, Factors()) is H100
-    assert "measured: compute x2.00, waits x3.00" in calibrated(H100, Factors(2.0, 3.0)).name
+    assert "measured: compute x2.00, waits x3.00, memory x1.00" in \
+        calibrated(H100, Factors(2.0, 3.0)).name
 
 
 def test_the_ratios_of_the_last_generations_are_averaged():

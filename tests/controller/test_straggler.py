@@ -286,6 +286,13 @@ def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
     assert "left out" not in proc.stdout
     # The decisions priced layouts on the measured figures (controller/feedback.py).
     assert "calibrated: compute x" in proc.stdout
+    # The workers report the passes and their memory: backward and forward within compute
+    # (the optimizer is the rest), the resident memory of a torch process.
+    m = out["measurements"][0]
+    [fwd], [bwd], [compute] = (m[k] for k in ("stage_forward_seconds", "stage_backward_seconds",
+                                              "stage_compute_seconds"))
+    assert 0 < fwd < bwd and fwd + bwd <= compute * 1.01, m
+    assert m["memory_bytes"] > 100 << 20 and m["predicted_memory_bytes"] > 0, m
     before = out["measurements"][0]
     after = next(m for m in out["measurements"] if m["layout"] == switch["to"])
     assert before["layout"] == "dp=4,tp=1,pp=1"
