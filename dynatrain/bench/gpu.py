@@ -161,17 +161,30 @@ def backend_of(dev: torch.device) -> str:
 
 def check_training(dev: torch.device, *, model: str = "gpt-tiny", steps: int = 3,
                    seq_len: int = 32) -> dict:
-    """World size 1 on ``dev``: state on the device, losses as on the CPU."""
+    """World size 1 on ``dev``: state on the device, losses as on the CPU; each step reports
+    its forward and backward passes within its compute (CUDA events on a GPU) and its
+    memory."""
     cfg = _config(model, OLD, seq_len)
     t = _trainer(cfg, dev)
     _on(t.local_state(), dev, "a fresh trainer")
-    losses = [t.train_step().loss for _ in range(steps)]
+    results = [t.train_step() for _ in range(steps)]
+    losses = [r.loss for r in results]
     _on(t.local_state(), dev, f"the trainer after {steps} steps")
+    for r in results:
+        fwd, bwd, compute = (r.phases.get(k, 0.0) for k in ("forward", "backward", "compute"))
+        if not (0 < fwd and 0 < bwd and fwd + bwd <= compute * 1.05 + 1e-4):
+            raise CheckFailed(f"step {r.step} on {dev}: forward {fwd:.6f} s + backward "
+                              f"{bwd:.6f} s must be positive and within compute {compute:.6f} s")
+        if r.memory_bytes <= 0:
+            raise CheckFailed(f"step {r.step} on {dev} reported no memory")
     ref = _trainer(cfg, torch.device("cpu"))
     cpu = [ref.train_step().loss for _ in range(steps)]
     for i, (a, b) in enumerate(zip(losses, cpu)):
         _close(a, b, 1e-3, f"loss of step {i + 1} on {dev} vs the CPU")
-    return {"losses": losses, "cpu_losses": cpu}
+    return {"losses": losses, "cpu_losses": cpu,
+            "forward_seconds": [r.phases["forward"] for r in results],
+            "backward_seconds": [r.phases["backward"] for r in results],
+            "memory_bytes": [r.memory_bytes for r in results]}
 
 
 class _World:
