@@ -171,10 +171,10 @@ def relieve(v, job: JobSpec, policy: Policy, profile: DeviceProfile) -> Decision
         return None
     options = []                                 # (estimated step, its rank, decision)
     fewer = reshare(m, lay, job)
-    if fewer is not None:
+    priced = fewer and estimate(job.model, fewer.layout, profile, **estimate_kwargs(job))
+    if fewer is not None and priced.fits:     # more micro-batches hold more activations
         options.append((fewer.seconds, fewer.seconds, Decision(
-            fewer.layout, "rebalance",
-            estimate(job.model, fewer.layout, profile, **estimate_kwargs(job)),
+            fewer.layout, "rebalance", priced,
             note=(f"{slow}: {fewer}; the step measured {m.step_seconds * 1e3:.1f} ms, "
                   f"{fewer.seconds * 1e3:.1f} ms estimated with them"))))
     out = leave_out(v, job, policy, profile, slow)

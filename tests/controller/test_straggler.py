@@ -17,7 +17,8 @@ import yaml
 from dynatrain.controller import decide
 from dynatrain.controller.decide import Idle, Switch, View
 from dynatrain.controller.measured import MIN_STEPS, StepCosts
-from dynatrain.controller.policy import Policy
+from dynatrain.controller.costmodel import estimate
+from dynatrain.controller.policy import Policy, estimate_kwargs
 from dynatrain.controller.straggler import shares_for, slowest
 from dynatrain.spec.hardware import PROFILES
 from dynatrain.spec.job import job_from_manifest as parse_job
@@ -220,6 +221,17 @@ def test_left_out_where_the_others_cannot_all_be_used_they_take_the_idle_ones_wo
     assert isinstance(a, Switch) and a.decision.left_out == (3,), a
     assert a.decision.layout.world == 2
     assert "50.0 ms estimated with its 3 peers taking its share on 2 devices" in a.decision.note
+
+
+def test_no_shares_that_would_not_fit_in_memory():
+    # 7 micro-batches' activations on the fast ranks (GPipe holds them all) where the memory
+    # holds the running 6: no shares. The solver's best on the three others fits (1F1B holds
+    # one micro-batch's), so the device is left out instead.
+    need = estimate(JOB24.model, DP4, PROFILE, **estimate_kwargs(JOB24)).memory_bytes
+    tight = replace(PROFILE, memory_bytes=need + (1 << 20))
+    a = decide.next_action(view(measured(SLOW2)), Policy(margin=100.0), JOB24, tight)
+    assert isinstance(a, Switch) and a.decision.left_out == (3,), a
+    assert a.decision.layout.schedule == "1f1b" and a.decision.estimate.fits
 
 
 def test_no_shares_for_an_mixture_of_experts_layout():
