@@ -370,9 +370,7 @@ class JobController:
         if first:
             self.log(str(m))
             if self.job.rebalance.enabled:     # once a generation: the figures move each step
-                self.log(f"calibrated: {self.feedback.factors} the cost model's figures, "
-                         f"measured over {len(self.feedback.by_generation)} generation(s); "
-                         "the solver prices layouts with them")
+                self.log(feedback.describe(self.feedback, gen))
 
     @property
     def decision_profile(self) -> DeviceProfile:

@@ -20,9 +20,10 @@ over to the layouts the job has not run: :func:`calibrated` scales the profile's
 by the first and its link bandwidths and latencies by the second, and, where the job needs
 more memory than predicted, shrinks the memory a layout may fill by the third (never grows
 it: a model that overestimates is only safe); the solver then prices every candidate with
-the job's own figures. :class:`Feedback` keeps the ratios of the last few
-generations (their geometric mean, so one layout's noise does not swing the choice), bounded
-and rounded to 5% steps (a decision changes only when the figures do), and the step time each
+the job's own figures. A measurement more than 30x off is not used: the profile then
+describes other devices (:data:`BOUNDS`). :class:`Feedback` keeps the ratios of the last
+few generations (their geometric mean, so one layout's noise does not swing the choice),
+rounded to 5% steps (a decision changes only when the figures do), and the step time each
 layout shape measured, so that a layout the job ran and measured slower is not chosen again
 as "better" (:meth:`~.policy.Policy.decide`: measured beats modelled, and two layouts cannot
 take turns).
@@ -47,9 +48,11 @@ COMPUTE_PARTS = ("compute", "optimizer")
 """Parts of :attr:`.costmodel.Estimate.breakdown` a device spends computing."""
 WAIT_PARTS = ("bubble", "tp_comm", "ep_comm", "pp_comm", "dp_comm", "zero_comm", "other")
 """Parts it spends waiting: in collectives, exchanges, and the pipeline's fill and drain."""
-BOUNDS = (1 / 100, 100.0)
-"""A ratio outside these is clamped: a prediction that far off says the profile is wrong
-(the wrong device class), not how fast this one is."""
+BOUNDS = (1 / 30, 30.0)
+"""A measurement whose compute or waits ratio is outside these is not used: a prediction that
+far off says the profile describes other devices (CPU workers priced as H100s), not how fast
+these are, and scaling it would distort the trade-off between compute and communication (one
+ratio clamped, the other not). A memory ratio outside them is left out alone."""
 QUANTUM = 0.05
 """Ratios are rounded to steps of 5% (on a log scale)."""
 GENERATIONS = 3
@@ -69,16 +72,19 @@ class Factors:
                 f"memory x{self.memory:.2f}")
 
 
+def _inside(ratio: float) -> bool:
+    return BOUNDS[0] <= ratio <= BOUNDS[1]
+
+
 def _rounded(ratio: float) -> float:
-    lo, hi = BOUNDS
-    ratio = min(max(ratio, lo), hi)
     step = math.log1p(QUANTUM)
     return round(math.exp(round(math.log(ratio) / step) * step), 4)
 
 
 def factors(m: Measurement, predicted: Estimate) -> Factors | None:
     """The ratios of one measurement against the prediction for its layout (None when the
-    prediction has no such part or nothing was measured)."""
+    prediction has no such part, nothing was measured, or the profile is not these devices:
+    :data:`BOUNDS`)."""
     if not m.device_compute:
         return None
     by_stage: dict[int, list[float]] = {}
@@ -94,7 +100,10 @@ def factors(m: Measurement, predicted: Estimate) -> Factors | None:
     waits_ratio = waits / p_waits if p_waits > 1e-3 * p_compute and waits > 0 else 1.0
     memory_ratio = (m.memory_bytes / predicted.memory_bytes
                     if m.memory_bytes and predicted.memory_bytes else 1.0)
-    return Factors(_rounded(compute / p_compute), _rounded(waits_ratio), _rounded(memory_ratio))
+    if not (_inside(compute / p_compute) and _inside(waits_ratio)):
+        return None
+    return Factors(_rounded(compute / p_compute), _rounded(waits_ratio),
+                   _rounded(memory_ratio) if _inside(memory_ratio) else 1.0)
 
 
 def calibrated(profile: DeviceProfile, f: Factors) -> DeviceProfile:
@@ -149,3 +158,13 @@ class Feedback:
         return Factors(*(_rounded(math.exp(statistics.fmean(math.log(getattr(f, part))
                                                               for f in kept)))
                          for part in ("compute", "waits", "memory")))
+
+
+def describe(fb: Feedback, generation: int) -> str:
+    """The log line of ``generation``'s first measurement: the factors the decisions now use."""
+    if generation not in fb.by_generation:
+        return (f"not calibrated: generation {generation} measured over {BOUNDS[1]:g}x off the "
+                f"cost model's compute or waits (the profile describes other devices); the "
+                f"decisions use {fb.factors}")
+    return (f"calibrated: {fb.factors} the cost model's figures, measured over "
+            f"{len(fb.by_generation)} generation(s); the solver prices layouts with them")
