@@ -17,7 +17,9 @@ change says nothing):
   slowest rank finishes first: one at a time, each to the rank that would then finish
   soonest, which minimises ``max r_j * share_j``. The global batch and the gradient's scale
   do not change (:mod:`dynatrain.vps.layout`: shares), so the training is the same, up to
-  the order in which the DP ranks' gradients are summed. Needs ``ep=1``.
+  the order in which the DP ranks' gradients are summed. Needs ``ep=1``; off with
+  ``spec.parallelism.rebalance.shares: false``, for a job that must train bit-identically to
+  a run without rebalancing.
 - **Left out**: the ``n - 1`` other devices of its stage share its work, so the step loses the
   slow device's compute and gains its peers' times ``n / (n - 1)`` (per micro-batch, where
   the shares are uneven). The device must be slower than ``n / (n - 1)`` of its peers (2x with
@@ -170,7 +172,7 @@ def relieve(v, job: JobSpec, policy: Policy, profile: DeviceProfile) -> Decision
     if v.now - policy.last_voluntary < policy.cooldown_s:
         return None
     options = []                                 # (estimated step, its rank, decision)
-    fewer = reshare(m, lay, job)
+    fewer = reshare(m, lay, job) if reb.shares else None
     priced = fewer and estimate(job.model, fewer.layout, profile, **estimate_kwargs(job))
     if fewer is not None and priced.fits:     # more micro-batches hold more activations
         options.append((fewer.seconds, fewer.seconds, Decision(

@@ -103,13 +103,18 @@ class Limits:
 @dataclass(frozen=True)
 class Rebalance:
     """``spec.parallelism.rebalance``: move layers between pipeline stages, live, when the
-    measured stages are uneven (:func:`dynatrain.controller.decide.rebalance`)."""
+    measured stages are uneven (:func:`dynatrain.controller.decide.rebalance`), and relieve
+    the job of a straggler (:mod:`dynatrain.controller.straggler`)."""
 
     enabled: bool = False
     threshold: float = 1.15
     """Act when the slowest stage's measured compute is this many times the mean stage's."""
     payback_steps: int = 50
     """Only if the modelled saving pays the switch's own cost back within this many steps."""
+    shares: bool = True
+    """A straggler may get fewer micro-batches (uneven data-parallel shares). False keeps the
+    shares even, so the job trains bit-identically to a run without rebalancing (uneven
+    shares sum the ranks' gradients in another order); it is then left out or kept."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +309,8 @@ def job_from_manifest(doc: Any, *, source: str = "manifest") -> JobSpec:
         enabled=r.bool(reb, "enabled", "spec.parallelism.rebalance", False),
         threshold=threshold or Rebalance.threshold,
         payback_steps=r.int(reb, "paybackSteps", "spec.parallelism.rebalance",
-                            Rebalance.payback_steps, minimum=1) or Rebalance.payback_steps)
+                            Rebalance.payback_steps, minimum=1) or Rebalance.payback_steps,
+        shares=r.bool(reb, "shares", "spec.parallelism.rebalance", True))
     gbs = (r.int(spec, "globalBatchSize", "spec", DEFAULT_GLOBAL_BATCH_SIZE, minimum=1)
            or DEFAULT_GLOBAL_BATCH_SIZE)
     tr = r.obj(spec, "training", "spec")

@@ -223,6 +223,15 @@ def test_left_out_where_the_others_cannot_all_be_used_they_take_the_idle_ones_wo
     assert "50.0 ms estimated with its 3 peers taking its share on 2 devices" in a.decision.note
 
 
+def test_with_shares_off_the_straggler_is_left_out_or_kept():
+    job = parse_job(manifest({"enabled": True, "shares": False}, batch=24))
+    assert job.rebalance.shares is False and JOB24.rebalance.shares is True
+    a = act(view(measured(SLOW2)), job=job)
+    # Left out: 0.13 - 0.12 + 0.06 x 4/3 = 0.09 s, not 7+7+7+3's 0.0812 s.
+    assert isinstance(a, Switch) and a.decision.left_out == (3,), a
+    assert a.decision.layout.shares is None
+
+
 def test_no_shares_that_would_not_fit_in_memory():
     # 7 micro-batches' activations on the fast ranks (GPipe holds them all) where the memory
     # holds the running 6: no shares. The solver's best on the three others fits (1F1B holds
