@@ -50,6 +50,7 @@ from .build import ensure_built
 from .gobuild import Built
 from . import kueue
 from .certs import ClientIdentity, Pki, write_pki
+from .crds import wait_established
 from .endpoints import KINDS as KWOK_CRD_KINDS
 from .endpoints import crd_manifests, exec_refusal_manifests
 from .errors import DevClusterError
@@ -312,6 +313,11 @@ class DevCluster:
     def core(self) -> client.CoreV1Api:
         return client.CoreV1Api(self.api_client())
 
+    def wait_established(self, *names: str) -> None:
+        """Until the apiserver serves the CRDs ``names`` (after applying them): see
+        :mod:`.crds` for why not ``kubectl wait``."""
+        wait_established(self.api_client(), names)
+
     def service_account_kubeconfig(
             self, namespace: str, name: str, path: Path | None = None, *,
             expiration: datetime.timedelta = datetime.timedelta(hours=24)) -> Path:
@@ -518,14 +524,7 @@ class DevCluster:
         extensions = client.ApiextensionsV1Api(api)
         names = [extensions.create_custom_resource_definition(crd).metadata.name
                  for crd in crd_manifests()]
-
-        def established() -> bool:
-            return all(any(c.type == "Established" and c.status == "True"
-                           for c in extensions.read_custom_resource_definition(n).status
-                           .conditions or []) for n in names)
-
-        wait_until(f"CRDs {names} to be established", established,
-                   timeout=self.config.start_timeout)
+        wait_established(api, names, timeout=self.config.start_timeout)
         if not self.config.real_nodes:
             policy, binding = exec_refusal_manifests()
             admission = client.AdmissionregistrationV1Api(api)

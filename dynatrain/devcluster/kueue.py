@@ -42,6 +42,7 @@ from kubernetes import client
 
 from ..ports import free_port
 from .certs import CertPair, write_serving_pair
+from .crds import wait_established
 from .errors import DevClusterError
 from .gobuild import TOOLS, GoModule, cache_root, ensure_built, run_go
 from .processes import Component, check_output, wait_until
@@ -187,15 +188,6 @@ def kubectl_apply(kubectl: Path, kubeconfig: Path, docs: list[dict], work: Path,
                  timeout=120)
 
 
-def wait_established(kubectl: Path, kubeconfig: Path, docs: list[dict],
-                     timeout: float = 60) -> None:
-    """Until the apiserver serves every CRD of ``docs`` (the manager's caches need them)."""
-    check_output([str(kubectl), f"--kubeconfig={kubeconfig}", "wait",
-                  "--for=condition=Established", f"--timeout={timeout:.0f}s",
-                  *(f"crd/{d['metadata']['name']}" for d in docs)],
-                 what="waiting for Kueue's CRDs to be established", timeout=timeout + 30)
-
-
 def install(*, kubectl: Path, kubeconfig: Path, core, ca: CertPair, work: Path,
             timeout: datetime.timedelta, start: Callable[[str, list[str]], Component],
             log: Callable[[str], None]) -> None:
@@ -207,7 +199,8 @@ def install(*, kubectl: Path, kubeconfig: Path, core, ca: CertPair, work: Path,
     src = source_dir()
     docs = crds(src)
     kubectl_apply(kubectl, kubeconfig, docs, work, "kueue-crds")
-    wait_established(kubectl, kubeconfig, docs)
+    # The manager's caches need the CRDs served.
+    wait_established(core.api_client, [d["metadata"]["name"] for d in docs])
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
     home = work / "kueue"
     certs = home / "certs"

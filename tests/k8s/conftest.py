@@ -133,8 +133,7 @@ def operator(devcluster, kubectl, namespace, tmp_path):
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "dynatrainjob.yaml"))
-    kubectl("wait", "--for=condition=Established", "--timeout=30s",
-            "crd/dynatrainjobs.dynatrain.io")
+    devcluster.wait_established("dynatrainjobs.dynatrain.io")
     op = Operator(devcluster, namespace, tmp_path)
     # The harness's settings (GPU workers on the CPU, worker pods forked): harness.pod_runner.
     pods = job_pods(devcluster.core(), tmp_path / "pods", namespace)

@@ -315,7 +315,8 @@ def test_rendered_chart_applies_to_the_apiserver(helm, kubectl, devcluster, name
     # Server-side apply validates every field strictly: a typo in a template is an error.
     out = kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=helm-test",
                   "-f", str(crds)).stdout
-    kubectl("wait", "--for=condition=Established", "--timeout=30s", "-f", str(crds))
+    devcluster.wait_established(*(d["metadata"]["name"] for d in docs
+                                  if d["kind"] == "CustomResourceDefinition"))
     out += kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=helm-test",
                    "-f", str(rest)).stdout
     fullname = f"{release}-dynatrain"

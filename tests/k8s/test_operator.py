@@ -305,8 +305,7 @@ def test_a_standalone_operator_handles_jobs(devcluster, kubectl, namespace, tmp_
     # every watch stayed paused: no job was ever handled.
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "dynatrainjob.yaml"))
-    kubectl("wait", "--for=condition=Established", "--timeout=30s",
-            "crd/dynatrainjobs.dynatrain.io")
+    devcluster.wait_established("dynatrainjobs.dynatrain.io")
     op = Operator(devcluster, namespace, tmp_path, standalone=True)
     core = devcluster.core()
     manifest = tmp_path / "job.yaml"

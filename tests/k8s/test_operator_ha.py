@@ -36,8 +36,7 @@ def replicas(devcluster, kubectl, namespace, tmp_path):
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "dynatrainjob.yaml"))
-    kubectl("wait", "--for=condition=Established", "--timeout=30s",
-            "crd/dynatrainjobs.dynatrain.io")
+    devcluster.wait_established("dynatrainjobs.dynatrain.io")
     ops = []
     for name in ("a", "b"):
         (tmp_path / name).mkdir()

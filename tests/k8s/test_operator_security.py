@@ -57,8 +57,7 @@ def restricted(devcluster, kubectl, tmp_path_factory):
         timeout=datetime.timedelta(seconds=30))
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "dynatrainjob.yaml"))
-    kubectl("wait", "--for=condition=Established", "--timeout=30s",
-            "crd/dynatrainjobs.dynatrain.io")
+    devcluster.wait_established("dynatrainjobs.dynatrain.io")
     workdir = tmp_path_factory.mktemp("security")
     op = Operator(devcluster, name, workdir)
     op.args = ["--allowed-images", "dynatrain,registry.example.com/ml/",

@@ -167,8 +167,7 @@ def test_the_operator_trains_and_recovers_in_real_containers(real_cluster, real_
     ns = real_namespace
     _kubectl(real_cluster, "apply", "--server-side", "--force-conflicts",
              "-f", f"{root}/crds/dynatrainjob.yaml")
-    _kubectl(real_cluster, "wait", "--for=condition=Established", "--timeout=30s",
-             "crd/dynatrainjobs.dynatrain.io")
+    real_cluster.wait_established("dynatrainjobs.dynatrain.io")
     node = real_cluster.real_nodes[0]
     # The operator hosts the job's rendezvous store: on the bridge, where the pods reach it.
     op = Operator(real_cluster, ns, tmp_path, rendezvous_host=node.node_ip)
