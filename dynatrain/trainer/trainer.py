@@ -224,10 +224,10 @@ class Trainer:
         """Count the bytes saved for backward in each step (``StepResult.activation_bytes``);
         off by default: the hooks cost a little Python per saved tensor."""
         self.slowdown = 1.0
-        self.parts = PartTimer(self.device)
-        """The forward and backward passes' compute seconds in the step (:class:`PartTimer`)."""
         """Compute this many times slower (a test's simulated slow device: the worker sets it
         from ``DYNATRAIN_SLOWDOWN``, :func:`dynatrain.vps.faults.slowdown`)."""
+        self.parts = PartTimer(self.device)
+        """The forward and backward passes' compute seconds in the step (:class:`PartTimer`)."""
         self._dense = [n for n, s in self.specs.items() if s.expert_dim is None]
         self._expert = [n for n, s in self.specs.items() if s.expert_dim is not None]
         # Tensors whose master gradient this rank adds to the global norm. The master
