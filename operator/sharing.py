@@ -24,7 +24,7 @@ from dataclasses import replace
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from dynatrain.controller.share import Claim, Share, divide
+from dynatrain.controller.share import Claim, Share, divide, pool_totals
 
 from .basics import JobContext, Room
 
@@ -78,10 +78,16 @@ class Priorities:
 
 
 class Board:
-    """Every job's latest claim; a job's share is divided over all of them (see the module)."""
+    """Every job's latest claim; a job's share is divided over all of them (see the module).
+
+    Each pool divides at least the most GPUs its jobs held over the last :data:`SHARE_HOLD_S`
+    (the ``floor`` of :func:`~dynatrain.controller.share.divide`): a GPU that one job let go
+    stays the pool's while the pod that waits for it is being placed."""
 
     def __init__(self):
         self._claims: dict[str, tuple[Claim, float]] = {}
+        self._totals: dict[str, list[tuple[float, int]]] = {}
+        """Pool -> (when, GPUs held) over the last SHARE_HOLD_S, oldest first."""
         self._lock = threading.Lock()
 
     def share(self, claim: Claim) -> Share:
@@ -92,7 +98,13 @@ class Board:
                 if now - when > STALE_S:
                     del self._claims[job]
             claims = [c for c, _ in self._claims.values()]
-        return divide(claims)[claim.job]
+            floors = {}
+            for pool, total in pool_totals(claims).items():
+                seen = [(t, n) for t, n in self._totals.get(pool, ()) if now - t < SHARE_HOLD_S]
+                seen.append((now, total))
+                self._totals[pool] = seen
+                floors[pool] = max(n for _, n in seen)
+        return divide(claims, floors)[claim.job]
 
     def drop(self, job: str) -> None:
         """The job ended, was suspended or deleted: it claims nothing."""

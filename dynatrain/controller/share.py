@@ -14,7 +14,12 @@ The rule, which the README repeats:
    they hold now (GPUs of placed worker pods): the scheduler places a pending pod on any free
    GPU that fits, so while one of them waits, the pool has nothing free that the jobs do not
    hold already. Capacity is never counted from nodes (the scheduler knows the taints,
-   selectors and other tenants).
+   selectors and other tenants). A GPU one job lets go is free, held by nobody, until the
+   scheduler places a waiting pod on it; so the operator passes the largest total of the last
+   few seconds as the pool's ``floor``. Without it, a job whose gang was just admitted lost
+   its share whenever the count fell between a leaving pod and its own being placed: its pods
+   were deleted, the others grew back, and it waited again (a livelock that a CI run on 2
+   cores kept up for minutes).
 2. **Priority first.** Levels of ``priority`` (the job's PriorityClass value) are served in
    order, highest first, each in full before the next: the scheduler preempts lower-priority
    pods for higher ones the same way.
@@ -37,6 +42,7 @@ Pure: no grpc, kubernetes or torch (a contract says so); table tests in
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -90,8 +96,10 @@ class Share:
         return min(wanted, self.workers) if self.contended else wanted
 
 
-def divide(claims: list[Claim] | tuple[Claim, ...]) -> dict[str, Share]:
-    """Every job's :class:`Share` under the module's rule."""
+def divide(claims: list[Claim] | tuple[Claim, ...],
+           floors: Mapping[str, int] | None = None) -> dict[str, Share]:
+    """Every job's :class:`Share` under the module's rule; ``floors``: pool -> the GPUs its
+    jobs held a moment ago (the pool divides at least that many: rule 1)."""
     names = [c.job for c in claims]
     if len(set(names)) != len(names):
         raise ValueError(f"one claim per job, got {sorted(names)}")
@@ -99,8 +107,8 @@ def divide(claims: list[Claim] | tuple[Claim, ...]) -> dict[str, Share]:
     for c in claims:
         pools[c.pool].append(c)
     out: dict[str, Share] = {}
-    for members in pools.values():
-        out.update(_divide_pool(members))
+    for pool, members in pools.items():
+        out.update(_divide_pool(members, (floors or {}).get(pool, 0)))
     return out
 
 
@@ -108,8 +116,16 @@ def _order(c: Claim) -> tuple:
     return (-c.priority, not c.started, c.created, c.job)
 
 
-def _divide_pool(claims: list[Claim]) -> dict[str, Share]:
-    total = sum(c.held * c.gpus for c in claims)
+def pool_totals(claims: list[Claim] | tuple[Claim, ...]) -> dict[str, int]:
+    """Pool -> the GPUs its jobs' placed worker pods hold."""
+    totals: dict[str, int] = defaultdict(int)
+    for c in claims:
+        totals[c.pool] += c.held * c.gpus
+    return dict(totals)
+
+
+def _divide_pool(claims: list[Claim], floor: int = 0) -> dict[str, Share]:
+    total = max(sum(c.held * c.gpus for c in claims), floor)
     left = total
     alloc: dict[str, int] = {}
     for level in sorted({c.priority for c in claims}, reverse=True):

@@ -187,3 +187,21 @@ def test_replayed_a_share_under_the_minimum_never_starts_and_never_fails_a_runni
     # A running job is not shrunk under its minimum by a share (a higher priority takes
     # those GPUs through the scheduler's preemption, which is a notice).
     assert isinstance(decide.next_action(running, policy, job, profile), Idle)
+
+
+def test_a_floor_keeps_a_just_admitted_gang_while_the_freed_gpu_is_placed():
+    """The CI livelock replayed: A and B shrank from 3 to 2 for C; C has one pod placed and
+    one waiting for the GPU just freed. Counting only what is held (5), C's gang of 2 does not
+    fit beside A's and B's minimums and C would give up its pods; the pool's floor (the 6 it
+    held a moment ago) keeps C's share, so the others stay capped for it."""
+    now = [job("a", 2, 0, started=True), job("b", 2, 0, started=True), job("c", 1, 1)]
+    s = divide(now)
+    # The old count: C is told to wait, and A may grow into the very GPU C waits for.
+    assert workers(s) == {"a": 3, "b": 2, "c": 0}
+    s = divide(now, {"p": 6})
+    assert workers(s) == {"a": 2, "b": 2, "c": 2}
+    assert s["a"].contended and s["a"].cap(4) == 2         # nobody grows into C's GPU
+    assert "of the 6 GPUs its pool's 3 jobs hold" in s["c"].why
+    # A floor never shrinks the pool, and it is per pool.
+    assert workers(divide(now, {"p": 3})) == workers(divide(now))
+    assert workers(divide(now, {"other": 6})) == workers(divide(now))

@@ -97,6 +97,37 @@ def test_the_share_binds_a_while_after_the_contention_ends(monkeypatch):
     assert not a.update(placed=3).contended
 
 
+def test_a_gpu_let_go_stays_the_pools_while_the_waiting_pod_is_placed(monkeypatch):
+    """A and B shrink from 3 to 2 for C. For a moment C has one pod placed and the other not
+    yet on the GPU just freed (5 held): the board still divides the 6 GPUs the pool held
+    within SHARE_HOLD_S, so C keeps its share. Once the 6th GPU stays gone that long (a node
+    lost), C's gang no longer fits."""
+    board = sharing.Board()
+    now = [1000.0]
+    monkeypatch.setattr(sharing.time, "monotonic", lambda: now[0])
+    a = Job(board, "a", "2026-11-26T10:00:00Z", started=True)
+    b = Job(board, "b", "2026-11-26T10:01:00Z", started=True)
+    c = Job(board, "c", "2026-11-26T10:02:00Z")
+    a.update(placed=3)
+    b.update(placed=3)
+    assert c.update(placed=0, waiting=4).workers == 2
+    assert a.update(placed=3).cap(4) == 2                  # OverShare: a shrinks live
+    now[0] += 5.0
+    a.update(placed=2)
+    b.update(placed=2)
+    share = c.update(placed=1, waiting=1)                  # 5 held: the 6th is being placed
+    assert share.workers == 2 and share.contended
+    assert c.conditions.get("Share")["reason"] == "WithinShare"
+    assert a.update(placed=2).cap(4) == 2                  # a does not grow into it
+    now[0] += sharing.SHARE_HOLD_S + 1
+    a.update(placed=2)
+    b.update(placed=2)
+    # 5 for that long: a GPU was lost. C's gang no longer fits; nobody waits below a share,
+    # so nothing binds (C's pending pod is demand an autoscaler sees).
+    share = c.update(placed=1, waiting=1)
+    assert share.workers == 0 and not share.contended
+
+
 def test_ended_and_silent_jobs_leave_the_board(monkeypatch):
     board = sharing.Board()
     a = Job(board, "a", "2026-11-26T10:00:00Z", started=True)
