@@ -142,6 +142,16 @@ class WorkerPods(Room):
         member) or forgotten, the pod deleted, and the next pod created after a back-off."""
         c = self.controller
         d = w.device
+        if d in c.leaving:
+            # Taken out by the switch in flight (a shrink, a release): its worker exits as its
+            # part ends, seen here before the switch's record. It left, and is not replaced.
+            c.fail_device(d, f"its pod ended ({w.unhealthy}) as the switch in flight took it "
+                          "out")           # a failure only if that switch fails
+            self.left.add(d)
+            self.delete_pod(w.name)
+            self.log(f"job {self.name}: worker {d} (pod {w.name}) left in the switch in "
+                     f"flight ({w.unhealthy}): pod deleted")
+            return
         if d in c.slow and d not in c.members:
             # Left out as a straggler: its worker leaves once the switch is made, which can
             # be seen here before the switch's record; its pod goes, and no back-off follows.

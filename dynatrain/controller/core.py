@@ -288,6 +288,15 @@ class JobController:
         return self._in_switch is not None
 
     @property
+    def leaving(self) -> frozenset[int]:
+        """Members that the switch in flight takes out of the job. Their workers exit as their
+        part ends, which a front end may see before the switch's record: they left, and are
+        not to be replaced (if the switch then fails, :meth:`fail_device` counts the exit)."""
+        if self._in_switch is None:
+            return frozenset()
+        return frozenset(self.members) - frozenset(self._in_switch[1].device_of)
+
+    @property
     def usable(self) -> list[int]:
         return sorted(d for d in self.clients if d not in self.doomed and d not in self.slow)
 
