@@ -196,7 +196,9 @@ def test_wait_for_change_wakes_early_only_for_its_job(view, core, namespace, gpu
     assert woke, "wait_for_change did not return after a change to the job's pod"
     number, when = woke[0]
     assert number != since and when - created < 3.0
-    assert view.wait_for_change(namespace, "llama", number, 0) == number
+    # Numbers never go back. (Not "== number": the node's status update of llama-0 may
+    # already have come, a change of its own, as it did under a loaded CI machine.)
+    assert view.wait_for_change(namespace, "llama", number, 0) >= number
 
     # Deletion is a change too.
     core.delete_namespaced_pod("llama-0", namespace, grace_period_seconds=0)
