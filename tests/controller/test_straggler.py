@@ -272,14 +272,21 @@ def run_slowed(tmp_path, doc: dict, factor: float):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_slowed_worker_is_left_out_live(tmp_path):
-    proc, out = run_slowed(tmp_path, manifest({"enabled": True}), factor=4)
+    """Device 3 at 4x, shares off (``rebalance.shares: false``): the only cure is to leave it
+    out. With shares on, which cure wins depends on how evenly its peers measure: on a CI
+    machine whose 2 cores ran other tests too, peers measured 59/82/78 ms per micro-batch and
+    dealing 5+3+3+1 was rightly estimated faster (the next test covers that cure)."""
+    proc, out = run_slowed(tmp_path, manifest({"enabled": True, "shares": False}), factor=4)
     assert "started dp=4,tp=1,pp=1 on devices [0, 1, 2, 3]" in proc.stdout
-    [switch] = [s for s in out["switches"] if s["reason"] == "rebalance"]
+    # The first cure; later ones follow the measurements (under a loaded CI machine a peer
+    # once measured slow enough to be left out too: dp=3 -> dp=2), not asserted here.
+    switch = next(s for s in out["switches"] if s["reason"] == "rebalance")
     assert switch["from"] == "dp=4,tp=1,pp=1" and switch["to"] == "dp=3,tp=1,pp=1"
     assert "device 3 computes" in proc.stdout and "left out" in proc.stdout
     assert "worker 3: left out (it computes slower than its peers)" in proc.stdout
+    assert "shares=" not in proc.stdout
     after = out["measurements"][-1]
-    assert parse_layout(after["layout"]).world == 3
+    assert parse_layout(after["layout"]).world <= 3
     assert out["samples_exactly_once"]
     assert all(loss == loss for loss in out["losses"])          # finite, no NaN
 
@@ -291,20 +298,20 @@ def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
     to about 3 (the others take the rest, dealt by their measured rates: on 2 shared cores
     7+7+7+3 or 8+6+7+3), and the step gets faster; the same samples are trained once."""
     proc, out = run_slowed(tmp_path, manifest({"enabled": True}, batch=24), factor=2)
-    # The first deal; on 2 shared cores the noise may deal again later (each a switch that
-    # moves no bytes and must pay back), never leaving a device out here.
+    # The first cure is the deal. Later ones follow the measurements: on a CI machine whose 2
+    # cores ran other tests too, device 3 still measured 1.4x its peers' step compute after
+    # the deal, and was then left out and the 3 others dealt again (each a switch that moves
+    # no bytes and must pay back). Those are the rule acting on noise, not asserted here.
     rebalances = [s for s in out["switches"] if s["reason"] == "rebalance"]
     switch = rebalances[0]
     assert switch["from"] == "dp=4,tp=1,pp=1"
-    assert all(parse_layout(s["to"]).dp == 4 and parse_layout(s["to"]).shares
-               for s in rebalances), rebalances
     shares = parse_layout(switch["to"]).shares
+    assert parse_layout(switch["to"]).dp == 4, switch
     assert shares is not None and sum(shares) == 24 and shares[3] <= 4, switch
     assert min(shares[:3]) > shares[3], switch
     text = "+".join(map(str, shares))
     assert "device 3 computes" in proc.stdout and f"shares {text} of the micro-batches" \
         in proc.stdout
-    assert "left out" not in proc.stdout
     # The decisions priced layouts on the measured figures (controller/feedback.py).
     assert "calibrated: compute x" in proc.stdout
     # The workers report the passes and their memory: backward and forward within compute
