@@ -142,25 +142,18 @@ class WorkerPods(Room):
         member) or forgotten, the pod deleted, and the next pod created after a back-off."""
         c = self.controller
         d = w.device
-        if d in c.leaving:
-            # Taken out by the switch in flight (a shrink, a release): its worker exits as its
-            # part ends, seen here before the switch's record. It left, and is not replaced.
-            c.fail_device(d, f"its pod ended ({w.unhealthy}) as the switch in flight took it "
-                          "out")           # a failure only if that switch fails
+        left_out = d in c.slow and d not in c.members
+        if d in c.leaving or left_out:
+            # The worker left the job: the switch in flight takes it out (a shrink, a release;
+            # it exits as its part ends), or a switch already made left it out as a straggler.
+            # Either can be seen here before the switch's record: no replacement, no back-off.
+            c.fail_device(d, f"its pod ended ({w.unhealthy}) as a switch took it out")
+            # (fail_device: a failure only if the switch in flight fails)
             self.left.add(d)
             self.delete_pod(w.name)
-            self.log(f"job {self.name}: worker {d} (pod {w.name}) left in the switch in "
-                     f"flight ({w.unhealthy}): pod deleted")
-            return
-        if d in c.slow and d not in c.members:
-            # Left out as a straggler: its worker leaves once the switch is made, which can
-            # be seen here before the switch's record; its pod goes, and no back-off follows.
-            self.left.add(d)
-            if d in c.clients:
-                c.remove_device(d)
-            self.delete_pod(w.name)
-            self.log(f"job {self.name}: worker {d} (pod {w.name}) left out as slower than "
-                     "its peers: pod deleted")
+            why = ("left out as slower than its peers" if left_out
+                   else f"left in the switch in flight ({w.unhealthy})")
+            self.log(f"job {self.name}: worker {d} (pod {w.name}) {why}: pod deleted")
             return
         if decide.exit_is_failure(member=d in c.members, released=d in self.left, code=None):
             c.fail_device(d, f"its pod is unhealthy: {w.unhealthy}")

@@ -98,12 +98,11 @@ class Board:
                 if now - when > STALE_S:
                     del self._claims[job]
             claims = [c for c, _ in self._claims.values()]
-            floors = {}
-            for pool, total in pool_totals(claims).items():
-                seen = [(t, n) for t, n in self._totals.get(pool, ()) if now - t < SHARE_HOLD_S]
-                seen.append((now, total))
-                self._totals[pool] = seen
-                floors[pool] = max(n for _, n in seen)
+            # Rebuilt each time: a pool no job claims any more is forgotten.
+            self._totals = {pool: [(t, n) for t, n in self._totals.get(pool, ())
+                                   if now - t < SHARE_HOLD_S] + [(now, total)]
+                            for pool, total in pool_totals(claims).items()}
+            floors = {pool: max(n for _, n in seen) for pool, seen in self._totals.items()}
         return divide(claims, floors)[claim.job]
 
     def drop(self, job: str) -> None:

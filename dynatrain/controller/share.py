@@ -106,9 +106,10 @@ def divide(claims: list[Claim] | tuple[Claim, ...],
     pools: dict[str, list[Claim]] = defaultdict(list)
     for c in claims:
         pools[c.pool].append(c)
+    totals = pool_totals(claims)
     out: dict[str, Share] = {}
     for pool, members in pools.items():
-        out.update(_divide_pool(members, (floors or {}).get(pool, 0)))
+        out.update(_divide_pool(members, max(totals[pool], (floors or {}).get(pool, 0))))
     return out
 
 
@@ -124,8 +125,7 @@ def pool_totals(claims: list[Claim] | tuple[Claim, ...]) -> dict[str, int]:
     return dict(totals)
 
 
-def _divide_pool(claims: list[Claim], floor: int = 0) -> dict[str, Share]:
-    total = max(sum(c.held * c.gpus for c in claims), floor)
+def _divide_pool(claims: list[Claim], total: int) -> dict[str, Share]:
     left = total
     alloc: dict[str, int] = {}
     for level in sorted({c.priority for c in claims}, reverse=True):
