@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import kopf
 from kubernetes import client, config
@@ -139,11 +140,43 @@ def forget_job(namespace: str, name: str, uid: str) -> None:
 
 
 @kopf.on.login()
-def login(**kwargs):
-    """The pod's service account in a cluster, else $KUBECONFIG (read at login time)."""
+def login(settings: kopf.OperatorSettings, **kwargs):
+    """The pod's service account in a cluster (:func:`in_cluster_login`), else $KUBECONFIG
+    (read at login time)."""
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return kopf.login_with_service_account(**kwargs)
-    return kopf.login_with_kubeconfig(**kwargs)
+        return in_cluster_login(settings)
+    return kopf.login_with_kubeconfig(settings=settings, **kwargs)
+
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def in_cluster_login(settings: kopf.OperatorSettings, *, env=os.environ,
+                     account: Path = SERVICE_ACCOUNT) -> kopf.ConnectionInfo:
+    """kopf's connection as the Kubernetes client's in-cluster config makes its own (and
+    client-go's ``rest.InClusterConfig``): the API server at ``$KUBERNETES_SERVICE_HOST``:
+    ``$KUBERNETES_SERVICE_PORT``, the pod's service account token and CA.
+
+    kopf's ``login_with_service_account`` names ``https://kubernetes.default.svc`` instead,
+    which needs the cluster's DNS: in a pod without it (host network, DNS down) kopf reached
+    nothing while the operator's other client, on the environment's address, worked: the pod
+    was Ready (kopf's liveness endpoint answers regardless) and handled no job. Seen running
+    the chart's Deployment on the dev cluster's real node (tests/k8s/test_real_node.py)."""
+    host, port = env["KUBERNETES_SERVICE_HOST"], env.get("KUBERNETES_SERVICE_PORT") or "443"
+    token = account / "token"
+    if not token.is_file():
+        raise kopf.LoginError(
+            f"KUBERNETES_SERVICE_HOST is {host!r} but {token} is missing: the pod has no "
+            "service account token (automountServiceAccountToken: false?); the operator "
+            "needs its ServiceAccount's token to reach the API server")
+    namespace = account / "namespace"
+    ca = account / "ca.crt"
+    return kopf.ConnectionInfo(
+        server=f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}",
+        ca_path=str(ca) if ca.is_file() else None,
+        token=token.read_text().strip() or None,
+        default_namespace=namespace.read_text().strip() if namespace.is_file() else None,
+        trust_env=settings.networking.trust_env)
 
 
 @kopf.on.startup()

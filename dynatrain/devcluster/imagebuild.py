@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 from .imagespec import (
     _PROGRESS, PAUSE_CONFIG, PAUSE_REF, PIP_VERSION, PYTHON_VERSION, SUITE, USER_UID, VENV,
-    WORKER_CONFIG, WORKER_REF, ImageBuildError, Log, _context_files, _file_sha256,
+    ImageBuildError, Log, ProjectImage, _context_files, _file_sha256,
 )
 from .ocilayout import Layer, _Archive, _entry, tar_tree
 from .processes import _die_with_parent, check_output
@@ -251,18 +251,19 @@ class _Build:
                   f"-> {archive}")
         _prune(archive.parent, "pause", archive, self.log_path)
 
-    # ---- worker, layer 1
+    # ---- a project image (worker or operator), layer 1
 
-    def base(self, inputs: dict, dest: Path, mirror: str) -> None:
-        """Layer 1's root file system: Debian, the user, the venv with the dependencies.
+    def base(self, inputs: dict, dest: Path, mirror: str, prefix: str = "base") -> None:
+        """Layer 1's root file system: Debian, the user, the venv with the dependencies (the
+        worker's: torch & co.; the operator's: operator/requirements.txt).
 
         Kept as a directory (``dest/rootfs``), for layer 2 to be installed onto; its tar is made
-        into the first archive (:meth:`worker`), which records its digest in
-        ``dest/layer.json``.
+        into the first archive (:meth:`project`), which records its digest in
+        ``dest/layer.json``. ``prefix``: the name of this kind of base in the cache.
         """
         if os.geteuid() != 0:
-            raise ImageBuildError("building the worker image's base needs root (debootstrap, "
-                                  "chroot, mount); run as root")
+            raise ImageBuildError(f"building the {self.label} image's base needs root "
+                                  "(debootstrap, chroot, mount); run as root")
         _require("debootstrap", "unshare", "chroot", "mount")
         started = time.monotonic()
         staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.tmp-"))
@@ -291,7 +292,8 @@ class _Build:
                 self.in_root(root, ["python3", "-m", "venv", VENV], timeout=300)
             deps = inputs["dependencies"]
             with self.step("pip install", f"pip=={PIP_VERSION} and {len(deps)} dependencies "
-                           f"(torch...) into {VENV}"):
+                           f"({', '.join(d.split('>')[0].split('=')[0] for d in deps[:3])}...) "
+                           f"into {VENV}"):
                 self._pip_install(root, [[f"pip=={PIP_VERSION}"], deps])
             with self.step("clean", "apt lists and caches, logs, pip cache"):
                 _clean_root(root)
@@ -301,9 +303,9 @@ class _Build:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        self._log(f"{_PROGRESS} worker: base root file system built in "
+        self._log(f"{_PROGRESS} {self.label}: base root file system built in "
                   f"{(time.monotonic() - started) / 60:.1f} min -> {dest}")
-        _prune(dest.parent, "base", dest)
+        _prune(dest.parent, prefix, dest)
 
     def _pip_install(self, root: Path, batches: Sequence[Sequence[str]]) -> None:
         """pip install each batch of requirements into the venv, from PyPI (or the host's
@@ -339,16 +341,17 @@ class _Build:
             resolv.unlink(missing_ok=True)
             (root / "tmp/host-ca.pem").unlink(missing_ok=True)
 
-    # ---- worker, layer 2 and the archive
+    # ---- a project image, layer 2 and the archive
 
-    def worker(self, repo_root: Path, context: Sequence[str], base: Path, archive: Path) -> None:
+    def project(self, image: ProjectImage, repo_root: Path, context: Sequence[str], base: Path,
+                archive: Path) -> None:
         """Layer 2 (the project's wheel installed on top of ``base``) and the archive."""
         if os.geteuid() != 0:
-            raise ImageBuildError("building the worker image needs root (chroot, mount); "
-                                  "run as root")
+            raise ImageBuildError(f"building the {image.kind} image needs root (chroot, "
+                                  "mount); run as root")
         _require("unshare", "chroot", "mount")
         inputs = json.loads((base / "inputs.json").read_text())
-        with tempfile.TemporaryDirectory(dir=archive.parent, prefix="worker.tmp-") as tmp:
+        with tempfile.TemporaryDirectory(dir=archive.parent, prefix=f"{image.kind}.tmp-") as tmp:
             work = Path(tmp)
             with self.step("wheel", "pip wheel --no-deps of the Dockerfile's build context"):
                 # From a copy of the Dockerfile's build context, as `docker build` would: a
@@ -369,9 +372,12 @@ class _Build:
                     d.mkdir()
                 # /mnt is empty in Debian's base: mounting the wheel there and a tmpfs on /tmp
                 # keeps both out of the upper directory. --no-index: the dependencies must all
-                # be in the base already (they are, by its key), and pip checks that they are.
+                # be in the base already (they are, by its key), and pip checks that they are;
+                # the operator's base holds only its own (--no-deps: no torch), as the
+                # Dockerfile's `operator` target installs it.
                 self.in_root(merged, [f"{VENV}/bin/python", "-m", "pip", "install",
                                       "--no-index", "--no-cache-dir",
+                                      *(["--no-deps"] if image.no_deps else []),
                                       f"/mnt/{wheels[0].name}"],
                              overlay=(base / "rootfs", upper, overlay_work),
                              binds=[(work / "wheels", "/mnt")], tmpfs=["/tmp"],
@@ -380,9 +386,9 @@ class _Build:
             history = [f"debootstrap --variant=minbase {SUITE} (+ {', '.join(inputs['packages'])});"
                        f" useradd --uid {USER_UID} dynatrain; python3 -m venv {VENV}; pip install "
                        f"pip=={PIP_VERSION} {' '.join(inputs['dependencies'])}",
-                       f"pip install {wheels[0].name}"]
+                       f"pip install {'--no-deps ' if image.no_deps else ''}{wheels[0].name}"]
             partial = work / archive.name
-            base_layer, previous = self._previous_archive(base, archive.parent)
+            base_layer, previous = self._previous_archive(image, base, archive.parent)
             if previous is not None:
                 with self.step("archive", f"layer 2 appended to the base layer of {previous.name}"):
                     # Exclusive: imports of the previous archive (import_images holds it
@@ -396,7 +402,7 @@ class _Build:
                     with open(partial, "r+b") as f:
                         out = _Archive.resume(f, base_layer, end)
                         layer = out.layer(lambda f: tar_tree(upper, f, overlay_upper=True))
-                        out.finish(WORKER_REF, WORKER_CONFIG, history)
+                        out.finish(image.ref, image.config, history)
             else:
                 with self.step("archive", "tar of the base root file system and layer 2 into "
                                f"{archive.name}"):
@@ -405,23 +411,24 @@ class _Build:
                         base_layer = out.layer(lambda f: tar_tree(
                             base / "rootfs", f, skip_contents=("dev", "proc", "sys")))
                         layer = out.layer(lambda f: tar_tree(upper, f, overlay_upper=True))
-                        out.finish(WORKER_REF, WORKER_CONFIG, history)
+                        out.finish(image.ref, image.config, history)
                     _write_json(base / "layer.json", {"digest": base_layer.digest,
                                                       "size": base_layer.size})
             partial.rename(archive)
-        self._log(f"{_PROGRESS} worker: built {WORKER_REF} in "
+        self._log(f"{_PROGRESS} {image.kind}: built {image.ref} in "
                   f"{time.monotonic() - self.started:.1f} s ({self.summary()}; layers "
                   f"{_size(base_layer.size)} + {_size(layer.size)}) -> {archive}")
-        _prune(archive.parent, "worker", archive, self.log_path)
+        _prune(archive.parent, image.kind, archive, self.log_path)
 
-    def _previous_archive(self, base: Path, cache: Path) -> tuple[Layer | None, Path | None]:
-        """The base's layer, and a worker archive that starts with it, if there are."""
+    def _previous_archive(self, image: ProjectImage, base: Path,
+                          cache: Path) -> tuple[Layer | None, Path | None]:
+        """The base's layer, and an archive of this kind that starts with it, if there are."""
         try:
             info = json.loads((base / "layer.json").read_text())
         except (OSError, ValueError):
             return None, None
         layer = Layer(info["digest"], info["size"])
-        for candidate in sorted(cache.glob("worker-*.tar"), key=lambda p: -p.stat().st_mtime):
+        for candidate in sorted(cache.glob(f"{image.kind}-*.tar"), key=lambda p: -p.stat().st_mtime):
             if _Archive.first_layer_end(candidate, layer) is not None:
                 return layer, candidate
         return layer, None

@@ -1,8 +1,8 @@
 """What the dev cluster's container images are: their names, contents and cache keys.
 
-The specification side of :mod:`.images`: the two image references, the Debian suite, Python,
-pip and user the worker image is made of, both images' configs (entry point, user,
-environment), the error every build step raises, where the cache lives and how the inputs of
+The specification side of :mod:`.images`: the image references, the Debian suite, Python,
+pip and user the project's images (worker and slim operator, :data:`PROJECT_IMAGES`) are made
+of, the images' configs (entry point, user, environment), the error every build step raises, where the cache lives and how the inputs of
 an image (``pyproject.toml``'s dependencies, the Dockerfile's build context, the host's Debian
 mirror) are read and hashed into the keys that name its cache entries. Separate from the
 builder (:mod:`.imagebuild`) and the archive format (:mod:`.ocilayout`) so that what an image
@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tomllib
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .ocilayout import _go_arch
 
 PAUSE_REF = "localhost/dynatrain-pause:dev"
 WORKER_REF = "localhost/dynatrain:dev"
+OPERATOR_REF = "localhost/dynatrain-operator:dev"
 
 SUITE = "bookworm"
 """The Debian release of the worker image (the host's own release in this project's sandboxes)."""
@@ -52,6 +54,37 @@ WORKER_CONFIG = {
     "WorkingDir": USER_HOME,
     "ExposedPorts": {"8080/tcp": {}, "9090/tcp": {}, "50051/tcp": {}},
 }
+
+OPERATOR_CONFIG = {
+    # The Dockerfile's `operator` target: the worker's user, environment and entry point, the
+    # operator's two ports (liveness, metrics) and its `operator --help`.
+    **WORKER_CONFIG,
+    "Cmd": ["operator", "--help"],
+    "ExposedPorts": {"8080/tcp": {}, "9090/tcp": {}},
+}
+
+
+@dataclass(frozen=True)
+class ProjectImage:
+    """One of the two images made of the project's wheel (the Dockerfile's two targets)."""
+
+    kind: str
+    """``worker`` or ``operator``: the name of its cache entries (``<kind>-<key>.tar``)."""
+    ref: str
+    config: dict
+    base_prefix: str
+    """The name of its layer-1 cache entries (``<base_prefix>-<key>/``)."""
+    no_deps: bool
+    """Install the wheel without its dependencies (the operator: its layer 1 holds only
+    operator/requirements.txt, no torch)."""
+
+
+PROJECT_IMAGES = {
+    "worker": ProjectImage("worker", WORKER_REF, WORKER_CONFIG, "base", no_deps=False),
+    "operator": ProjectImage("operator", OPERATOR_REF, OPERATOR_CONFIG, "slim-base",
+                             no_deps=True),
+}
+OPERATOR_REQUIREMENTS = "operator/requirements.txt"
 
 # pid 1 of a PID namespace gets no default signal actions: without handlers SIGTERM would be
 # ignored and every sandbox stop would wait for SIGKILL. `wait` returns as soon as a trapped
@@ -117,8 +150,20 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _base_inputs(repo_root: Path) -> dict:
-    """What decides layer 1's content (its cache key)."""
+def _base_inputs(repo_root: Path, kind: str = "worker") -> dict:
+    """What decides layer 1's content (its cache key): for the worker, pyproject.toml's
+    dependencies; for the operator, operator/requirements.txt's."""
+    if kind == "operator":
+        path = repo_root / OPERATOR_REQUIREMENTS
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ImageBuildError(f"cannot read the operator's requirements: {exc}") from exc
+        deps = [ln.split("#", 1)[0].strip() for ln in lines]
+        return {"format": _BASE_FORMAT, "image": "operator", "suite": SUITE,
+                "packages": list(DEBIAN_PACKAGES), "python": PYTHON_VERSION,
+                "pip": PIP_VERSION, "arch": _go_arch(), "uid": USER_UID, "venv": VENV,
+                "dependencies": [d for d in deps if d]}
     pyproject = repo_root / "pyproject.toml"
     try:
         project = tomllib.loads(pyproject.read_text())["project"]

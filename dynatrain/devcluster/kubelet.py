@@ -125,7 +125,8 @@ class RealNodeConfig:
     """Where the node's /24 pod network is taken from (the first one not in use here)."""
     pod_images: tuple[str, ...] = ("worker",)
     """Images to build (:mod:`.images`) and import besides the pause image: ``worker`` is the
-    project's own image, ``localhost/dynatrain:dev``."""
+    project's own image, ``localhost/dynatrain:dev``; ``operator`` its slim operator image,
+    ``localhost/dynatrain-operator:dev`` (no torch)."""
 
 
 class RealNode:
@@ -153,7 +154,7 @@ class RealNode:
         self.kubelet: Component | None = None
         self.containerd: Component | None = None
         self.images: dict[str, str] = {}
-        """Image name (``pause``, ``worker``) -> its reference in containerd."""
+        """Image name (``pause``, ``worker``, ``operator``) -> its reference in containerd."""
 
     # -- start ---------------------------------------------------------------
 
@@ -250,12 +251,14 @@ state = "{d / 'state'}"
         """The pause image, then :attr:`RealNodeConfig.pod_images` (cached builds)."""
         from . import images
 
+        builders = {"worker": images.worker_image, "operator": images.operator_image}
+        unknown = [n for n in self.config.pod_images if n not in builders]
+        if unknown:
+            raise DevClusterError(f"RealNodeConfig.pod_images: unknown image(s) {unknown}; "
+                                  f"known: {sorted(builders)}")
         wanted = [images.pause_image()]
         for name in self.config.pod_images:
-            if name != "worker":
-                raise DevClusterError(f"RealNodeConfig.pod_images: unknown image {name!r}; "
-                                      "known: ['worker']")
-            wanted.append(images.worker_image(self._repo_root or TOOLS.parent))
+            wanted.append(builders[name](self._repo_root or TOOLS.parent))
         return wanted
 
     def _import_images(self, wanted: list) -> None:

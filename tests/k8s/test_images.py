@@ -192,6 +192,29 @@ def test_worker_archive(worker):
     assert project_size < 64 << 20
 
 
+def test_operator_archive_is_the_slim_one(prerequisites):
+    """The Dockerfile's `operator` target as the dev cluster builds it: the operator's own
+    requirements and the wheel without its dependencies; no torch, no numpy."""
+    image = images.operator_image(REPO)
+    assert image.ref == "localhost/dynatrain-operator:dev"
+    archive = _read_archive(image)
+    cfg = archive["config"]["config"]
+    assert cfg["Entrypoint"] == ["dynatrain"] and cfg["Cmd"] == ["operator", "--help"]
+    assert cfg["User"] == "10001" and set(cfg["ExposedPorts"]) == {"8080/tcp", "9090/tcp"}
+    site = "opt/dynatrain/lib/python3.11/site-packages"
+    (_, base_size, base, _), (_, _, project, _) = _layers(archive)
+    for path in (f"{site}/kopf/__init__.py", f"{site}/kubernetes/__init__.py",
+                 f"{site}/grpc/__init__.py", f"{site}/prometheus_client/__init__.py"):
+        assert path in base, path
+    heavy = [n for n in base if n.startswith((f"{site}/torch/", f"{site}/numpy/"))]
+    assert not heavy, heavy[:5]
+    assert base_size < 1 << 30                     # the worker's is over 5 GiB
+    assert f"{site}/dynatrain/operator/handlers.py" in project
+    # The worker's layer 1 is not shared with it: each has its own cache entry.
+    assert images.worker_image(REPO).layers[0].digest != archive["manifest"]["layers"][0][
+        "digest"]
+
+
 def test_overlay_whiteouts_become_oci_whiteouts(prerequisites, tmp_path):
     """An overlayfs upper directory's whiteout and opaque directory, as OCI writes them."""
     upper = tmp_path / "upper"

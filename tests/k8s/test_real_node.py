@@ -22,9 +22,11 @@ import yaml
 from kubernetes import client
 
 from dynatrain.devcluster import ClusterConfig, DevCluster
+from dynatrain.devcluster.cluster import CONTROLLERS
 from dynatrain.devcluster.kubelet import (REAL_NODE_LABEL, RealNodeConfig, bridge_name,
                                           preflight)
-from harness.operator_process import Operator, wait
+from harness.operator_pod import OperatorPod
+from harness.operator_process import wait
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 GROUP, VERSION, PLURAL = "dynatrain.io", "v1alpha1", "dynatrainjobs"
@@ -47,7 +49,11 @@ def real_cluster(tmp_path_factory):
     # answers: File exists" (a CI run here, after /tmp/pytest-of-root was emptied).
     subprocess.run(["ip", "link", "add", bridge_name(workdir / "nodes" / NODE), "type",
                     "bridge"], capture_output=True)      # (or it is there already)
-    config = ClusterConfig(pools=(), real_nodes=(RealNodeConfig(name=NODE),), workdir=workdir)
+    # The operator runs here as the chart deploys it, a Deployment (harness/operator_pod.py):
+    # this cluster also runs the two controllers that make its pod, which the others leave out.
+    config = ClusterConfig(pools=(), real_nodes=(RealNodeConfig(
+        name=NODE, pod_images=("worker", "operator")),), workdir=workdir,
+        controllers=CONTROLLERS + ("deployment-controller", "replicaset-controller"))
     with DevCluster(config) as cluster:
         yield cluster
 
@@ -64,11 +70,15 @@ def real_namespace(real_cluster):
     core.delete_namespace(name)
 
 
-def _kubectl(cluster, *args: str) -> str:
+def _kubectl_argv(cluster) -> list[str]:
     from dynatrain.devcluster.build import ensure_built
 
-    out = subprocess.run([str(ensure_built().path("kubectl")), "--kubeconfig",
-                          str(cluster.kubeconfig), *args],
+    return [str(ensure_built().path("kubectl")), "--kubeconfig", str(cluster.kubeconfig)]
+
+
+def _kubectl(cluster, *args: str) -> str:
+    """kubectl as the cluster's admin; fails the test, with kubectl's message, if it fails."""
+    out = subprocess.run([*_kubectl_argv(cluster), *args],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl {' '.join(args)}: {out.stderr}"
     return out.stdout
@@ -169,8 +179,10 @@ def test_the_operator_trains_and_recovers_in_real_containers(real_cluster, real_
              "-f", f"{root}/crds/dynatrainjob.yaml")
     real_cluster.wait_established("dynatrainjobs.dynatrain.io")
     node = real_cluster.real_nodes[0]
-    # The operator hosts the job's rendezvous store: on the bridge, where the pods reach it.
-    op = Operator(real_cluster, ns, tmp_path, rendezvous_host=node.node_ip)
+    # The chart's operator Deployment in the slim operator image, on the real node; it hosts
+    # the job's rendezvous store at its pod IP, the node's (harness/operator_pod.py).
+    op = OperatorPod(real_cluster, lambda *a: _kubectl(real_cluster, *a),
+                     node.images["operator"], NODE, tmp_path)
     core = real_cluster.core()
     custom = client.CustomObjectsApi(real_cluster.api_client())
 
@@ -178,8 +190,19 @@ def test_the_operator_trains_and_recovers_in_real_containers(real_cluster, real_
         return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL,
                                                    "real").get("status", {})
 
-    op.start()
+    operator_pod = op.start()
     try:
+        # The slim image: no torch in it, and the operator runs from it as the chart says.
+        assert operator_pod.spec.node_name == NODE
+        assert operator_pod.spec.containers[0].image == node.images["operator"]
+        assert operator_pod.status.container_statuses[0].container_id.startswith(
+            "containerd://")
+        probe = subprocess.run(
+            [*_kubectl_argv(real_cluster), "exec", "-n", operator_pod.metadata.namespace,
+             operator_pod.metadata.name, "--", "python", "-c",
+             "import importlib.util as u; print('torch:', u.find_spec('torch') is not None)"],
+            capture_output=True, text=True, timeout=60)
+        assert probe.stdout.strip() == "torch: False", (probe.stdout, probe.stderr)
         manifest = tmp_path / "job.yaml"
         manifest.write_text(yaml.safe_dump(_job("real", node.images["worker"])))
         _kubectl(real_cluster, "apply", "-n", ns, "-f", str(manifest))
