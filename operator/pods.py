@@ -22,6 +22,7 @@ import time
 from kubernetes.client.rest import ApiException
 
 from dynatrain.controller import decide
+from dynatrain.controller import inbox as ev
 
 from . import cluster as k
 from . import guard, pki
@@ -147,8 +148,8 @@ class WorkerPods(Room):
             # The worker left the job: the switch in flight takes it out (a shrink, a release;
             # it exits as its part ends), or a switch already made left it out as a straggler.
             # Either can be seen here before the switch's record: no replacement, no back-off.
-            c.fail_device(d, f"its pod ended ({w.unhealthy}) as a switch took it out")
-            # (fail_device: a failure only if the switch in flight fails)
+            c.push(ev.DeviceFailed(d, f"its pod ended ({w.unhealthy}) as a switch took it out"))
+            # (the controller counts it a failure only if the switch in flight fails)
             self.left.add(d)
             self.delete_pod(w.name)
             why = ("left out as slower than its peers" if left_out
@@ -156,9 +157,9 @@ class WorkerPods(Room):
             self.log(f"job {self.name}: worker {d} (pod {w.name}) {why}: pod deleted")
             return
         if decide.exit_is_failure(member=d in c.members, released=d in self.left, code=None):
-            c.fail_device(d, f"its pod is unhealthy: {w.unhealthy}")
+            c.push(ev.DeviceFailed(d, f"its pod is unhealthy: {w.unhealthy}"))
         elif d in c.clients:
-            c.remove_device(d)
+            c.push(ev.DeviceLeft(d))
         self.left.add(d)
         self.delete_pod(w.name)
         self.replaced += 1
@@ -297,7 +298,7 @@ class WorkerPods(Room):
         for w in alive:
             self.left.add(w.device)
             if w.device in c.clients:
-                c.remove_device(w.device)
+                c.push(ev.DeviceLeft(w.device))
             self.delete_pod(w.name)
         return True
 
@@ -361,7 +362,7 @@ class WorkerPods(Room):
                      f"{len(alive) - surplus} workers")
             self.left.add(w.device)
             if w.device in c.clients:
-                c.remove_device(w.device)
+                c.push(ev.DeviceLeft(w.device))
             self.delete_pod(w.name)
 
     # -- deleting --------------------------------------------------------------------------------

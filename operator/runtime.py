@@ -71,6 +71,7 @@ from kubernetes.client.rest import ApiException
 
 from dynatrain.agent.metrics import Metrics
 from dynatrain.controller import decide
+from dynatrain.controller import inbox as ev
 from dynatrain.controller.core import JobController, JobFailed
 from dynatrain.controller.orchestrator import Timeouts
 from dynatrain.controller.policy import Policy
@@ -314,7 +315,7 @@ class JobRuntime:
             self.controller.restart_from(held["checkpoint"], int(held["step"]))
         self.controller.before_switch = self._switching
         self.controller.on_answer = self._answered
-        self.controller.intake = self._intake
+        self.controller.sense = self._sense
         self.created = time.monotonic()
 
     # -- one tick ---------------------------------------------------------------------------------
@@ -323,9 +324,11 @@ class JobRuntime:
         nodes = {n.metadata.name: k.read_node(n) for n in self.view.nodes()}
         return nodes, self.pods.workers(nodes, time.monotonic())
 
-    def _intake(self) -> None:
-        """The controller calls this while a switch waits: pods gone, notices and new agents,
-        so no signal waits behind the switch."""
+    def _sense(self) -> None:
+        """The controller calls this while a switch waits: pods gone, notices and new agents
+        are pushed into its inbox (it takes them in after), so no signal waits behind the
+        switch. The Warning Events of what the previous look declared failed go out first."""
+        self._report_lost()
         self._take_in(self._observe()[1])
 
     def _tick(self) -> None:
@@ -339,6 +342,7 @@ class JobRuntime:
             self.phase, self.created = "Pending", time.monotonic()
         self._take_in(workers)
         c = self.controller
+        c.take_in()               # what this pass saw, before it reads the controller again
         # A job in a Kueue queue is Kueue's to share (quota, cohorts, preemption): the
         # operator's own rule leaves it alone.
         queued = bool(self.body["spec"].get("queueName"))
@@ -348,6 +352,7 @@ class JobRuntime:
             self._unclaim()
         if not self.over:
             self.pods.scale(workers, nodes, c.share)
+            c.take_in()           # the pods scale let go
         # Where each worker runs (a pod never moves): the workers put each rank's mirror on
         # another node, so that losing a node loses no state that is not also elsewhere.
         c.device_nodes.update({w.device: w.node for w in workers.values() if w.node})
@@ -391,9 +396,9 @@ class JobRuntime:
                                           code=None):               # without notice: recover
                     # The controller judges whether that is a failure (a leaver of the switch
                     # in flight may exit as its part ends): _report_lost says it if so.
-                    c.fail_device(d, "its pod is gone without notice")
+                    c.push(ev.DeviceFailed(d, "its pod is gone without notice"))
                 else:
-                    c.remove_device(d)
+                    c.push(ev.DeviceLeft(d))
         for d, w in list(workers.items()):
             if w.unhealthy:
                 self.pods.replace(w)
@@ -406,14 +411,14 @@ class JobRuntime:
                                 f"lost in {w.deadline_s:.0f} s: {w.why}; spec.preemptionPolicy "
                                 "is Ignore: no switch (if it goes, it is recovered)")
                     continue
-                c.notice(d, w.deadline_s)
+                c.push(ev.Notice(d, w.deadline_s))
                 self._event("Warning", "Preemption", f"worker {d} ({w.name}) will be lost in "
                             f"{w.deadline_s:.0f} s: {w.why}")
             if (not w.doomed and d not in c.clients and d not in self.pods.left
                     and w.phase == "Running" and w.ip):
                 agent = self.jobtls.agent(w.ip, w.name)
                 if agent.health():
-                    c.add_device(d, agent)
+                    c.push(ev.DeviceUp(d, agent))
                     self.jobtls.agents_at[d] = (w.ip, w.name)
                     self.log(f"worker {d}: agent up at {w.ip}:{self.job.agent_port}")
                     self.pods.replacing.reset()
@@ -422,7 +427,6 @@ class JobRuntime:
                                             self._generation())
                 else:
                     agent.close()
-        self._report_lost()
 
     def _report_lost(self) -> None:
         """A Warning Event for each device the controller declared failed (a pod gone without
@@ -513,8 +517,9 @@ class JobRuntime:
                                          and r.from_layout)
             if d not in c.members and d in c.clients and switched_off:   # free its pod
                 self.pods.left.add(d)
-                c.remove_device(d)
+                c.push(ev.DeviceLeft(d))
                 self.pods.delete_pod(w.name)
+        c.take_in()
 
     # -- the end ---------------------------------------------------------------------------------
     def _fail(self, message: str) -> None:

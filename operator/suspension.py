@@ -23,6 +23,7 @@ return.
 
 from __future__ import annotations
 
+from dynatrain.controller import inbox as ev
 from dynatrain.controller.errors import SuspendFailed
 
 from .basics import JobContext, Room, now as _now
@@ -93,7 +94,8 @@ class Suspension(Room):
             self._event("Normal", "Suspended", text)
             self.log(f"job {self.name}: suspended: {text}")
         for d in list(c.clients):         # pods not yet members (standby, joining)
-            c.remove_device(d)
+            c.push(ev.DeviceLeft(d))
+        c.take_in()
         # The default grace: a suspended worker holds nothing the checkpoint does not and
         # stops at once on SIGTERM.
         self.pods.delete_all_pods("the job is suspended")

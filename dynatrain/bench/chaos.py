@@ -141,6 +141,7 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
     import yaml
 
     from dynatrain.controller.core import JobFailed
+    from dynatrain.controller.inbox import LayoutRequested
     from dynatrain.spec.hardware import PROFILES
     from dynatrain.spec.job import load_job
     from dynatrain.controller.local import LocalRunner
@@ -173,7 +174,7 @@ def run_trial(spec: TrialSpec, workdir: Path) -> dict:
                          backend=spec.backend,
                          worker_env={d: {**common, **env.get(d, {})} for d in range(8)})
     # Layout fixed at start (auto mode would re-plan after the start); recoveries pick freely.
-    runner.controller.request_layout(parse_layout(spec.layout))
+    runner.controller.push(LayoutRequested(parse_layout(spec.layout)))
     runner.controller.step_times = {}         # every step's wall times (a short job: small)
     out: dict = {"log": lines}
     try:

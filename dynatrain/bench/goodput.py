@@ -70,6 +70,7 @@ from pathlib import Path
 
 import yaml
 
+from dynatrain.controller.inbox import Notice
 from dynatrain.controller.scenario import ScenarioError
 
 KINDS = ("preempt", "kill", "join")
@@ -383,7 +384,7 @@ def _runner_class():
                 w.kill_at = time.monotonic() + ev.notice_seconds
                 w.expected_exit = True
                 if self.mode == "live":
-                    c.notice(d, ev.notice_seconds)
+                    c.push(Notice(d, ev.notice_seconds))
             return victims
 
         def _check_workers(self) -> None:

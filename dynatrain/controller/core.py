@@ -1,15 +1,17 @@
 """The controller core: one job's devices, its running generation, and the switches between.
 
-Both front ends drive a :class:`JobController` the same way: they report capacity
-(:meth:`add_device`, :meth:`notice`, :meth:`remove_device`) and call :meth:`tick` often. A
-tick reads every member's progress over the agents' Status (steps, losses, the samples each
+Both front ends drive a :class:`JobController` the same way: they push what they saw into its
+inbox as typed events (:mod:`.inbox`: a device up, a notice, a device left or failed, a spec
+edit, a layout request; :meth:`JobController.push`) and call :meth:`tick` often. The controller
+takes its inbox in at points of its own (:meth:`JobController.take_in`): at the start of each
+tick, and while a switch waits. A tick reads every member's progress over the agents' Status (steps, losses, the samples each
 data reader consumed), asks the :class:`~.policy.Policy` whether to switch, and runs the
 two-phase switch (:mod:`.orchestrator`) when it says so, retrying a failed Prepare with a fresh
 generation. The controller never touches training state itself; it only talks to agents.
 
 Signals never wait behind a switch: while one is being prepared or committed, the controller
-keeps reading progress and calls the front end's :attr:`JobController.intake` (which reports
-new capacity signals), and a Prepare whose target a newer signal made wrong (a device lost, a
+keeps reading progress, asks the front end to look again (:attr:`JobController.sense`, which
+only pushes events) and takes its inbox in, and a Prepare whose target a newer signal made wrong (a device lost, a
 notice on a device of the target, a user's request over a voluntary switch) is aborted and
 re-planned at once; a signal that does not conflict is merged into the next decision. Every
 requested layout is answered (:class:`LayoutRequest`): applied, waiting for capacity with the
@@ -34,6 +36,7 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from . import decide, feedback, measured, polling, recovery, suspend
+from . import inbox as ev
 from .suspend import Parked
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
@@ -134,9 +137,12 @@ class JobController:
         self.before_switch = None
         """Called with (old layout, new layout, reason) before a switch starts (the operator
         shows the job as Switching)."""
-        self.intake = None
-        """The front end's ``intake()``: report the capacity signals that arrived (notices,
-        exits, joins, requests) now. Called while a switch waits, so none waits behind it."""
+        self.inbox = ev.Inbox()
+        """What the front end saw, as events (:mod:`.inbox`); taken in by :meth:`take_in`."""
+        self.sense = None
+        """The front end's ``sense()``: look at the world now and :meth:`push` what changed
+        (notices, exits, joins, requests). Called while a switch waits, so that no signal
+        waits behind it; it must only push (the controller takes the events in after it)."""
         self.costs = measured.StepCosts()
         """The running generation's measured step split, per device (:mod:`.measured`)."""
         self.measurements: dict[int, measured.Measurement] = {}
@@ -173,15 +179,31 @@ class JobController:
         self._misses: dict[int, int] = {}
         """Device -> Status calls it missed in a row (a suspect: no switch starts with it)."""
 
+    # -- the inbox -----------------------------------------------------------------------------
+    def push(self, *events: ev.Event) -> None:
+        """Report what the front end saw (:mod:`.inbox`); safe from any thread. Taken in at
+        the next :meth:`take_in`: the next tick, or while a switch waits."""
+        self.inbox.push(*events)
+
+    def take_in(self) -> int:
+        """Apply the inbox's events in the order they were pushed; returns how many. The
+        controller does so at the start of each tick and while a switch waits; a front end
+        may, between ticks, to read its own events' effect in the same pass."""
+        events = self.inbox.take()
+        for e in events:
+            ev.apply(self, e)
+        return len(events)
+
     # -- capacity ------------------------------------------------------------------------------
     def add_device(self, device: int, client: AgentClient) -> None:
         self.clients[device] = client
         self._last_answer[device] = time.monotonic()
         self._report_workers()
 
-    def notice(self, device: int, seconds: float) -> None:
-        """``device`` will be gone in ``seconds``: the running layout must leave it now."""
-        self.doomed[device] = time.monotonic() + seconds
+    def notice(self, device: int, seconds: float, *, at: float | None = None) -> None:
+        """``device`` will be gone ``seconds`` after ``at`` (monotonic; default now): the
+        running layout must leave it now."""
+        self.doomed[device] = (time.monotonic() if at is None else at) + seconds
         self._report_workers()
 
     def remove_device(self, device: int) -> None:
@@ -215,7 +237,9 @@ class JobController:
         self.lost_why[device] = why
 
     def restart_from(self, checkpoint: str, step: int) -> None:
-        """Every worker was replaced (checkpoint-and-restart): start again from ``checkpoint``."""
+        """Every worker was replaced (checkpoint-and-restart): start again from ``checkpoint``.
+        What the inbox holds is taken in first: it is of the workers now gone."""
+        self.take_in()
         for client in self.clients.values():
             client.close()
         self.clients.clear()
@@ -325,6 +349,7 @@ class JobController:
     def tick(self) -> SwitchRecord | None:
         """Read progress; act on what :func:`.decide.next_action` says. Returns the switch
         made, if any."""
+        self.take_in()
         self.poll()
         self._measure()
         action = decide.next_action(self.view(), self.policy, self.job, self.decision_profile)
@@ -426,11 +451,13 @@ class JobController:
                                "time": time.time()})
 
     def _watch(self, phase: str) -> str | None:
-        """While a switch waits: read progress, take in new signals, and say whether the
-        switch in flight is now wrong (its Prepare is then aborted and re-planned)."""
+        """While a switch waits: read progress, take in new signals (the front end pushes what
+        it sees, then the inbox is taken in), and say whether the switch in flight is now
+        wrong (its Prepare is then aborted and re-planned)."""
         self.poll(judge=False)
-        if self.intake is not None:
-            self.intake()
+        if self.sense is not None:
+            self.sense()
+        self.take_in()
         if phase != "prepare" or self._in_switch is None:
             return None
         involved, new, reason = self._in_switch
@@ -446,24 +473,9 @@ class JobController:
         polling.ingest(self, device, st)
 
     def _drop_unreachable(self, devices) -> bool:
-        """Ask each device for its Status; fail (members) or drop (others) those that do not
-        answer. True if any was gone."""
-        gone = False
-        for d in sorted(devices):
-            client = self.clients.get(d)
-            if client is None:           # failed, or removed while the switch ran
-                gone = True
-                continue
-            try:
-                client.status(since_step=1 << 62, timeout_s=self.timeouts.watchdog_s)
-            except AgentCallError as e:
-                gone = True
-                if d in self.members:
-                    self.fail_device(d, f"stopped answering during a switch: {e}")
-                else:
-                    self.log(f"device {d} is gone: {e}")
-                    self.remove_device(d)
-        return gone
+        """Fail (members) or drop (others) the devices that do not answer Status
+        (:func:`.polling.drop_unreachable`). True if any was gone."""
+        return polling.drop_unreachable(self, devices)
 
     def _run_switch(self, generation: int, old: Layout | None, new: Layout, reason: str,
                     involved, **kw) -> SwitchRecord:
@@ -551,13 +563,7 @@ class JobController:
 
     def _rewind(self, step: int) -> None:
         """Forget progress after ``step``: those steps are trained again."""
-        p = self.progress
-        p.retrained += max(0, p.step - step)
-        p.step = step
-        p.losses = {k: v for k, v in p.losses.items() if k <= step}
-        p.reads = {k: v for k, v in p.reads.items() if k <= step}
-        p.inferred = {k: v for k, v in p.inferred.items() if k <= step}
-        p.loss = p.losses.get(step)
+        self.progress.rewind(step)
         self._seen = {d: min(v, step) for d, v in self._seen.items()}
 
     def _after_switch(self, old: Layout | None, new: Layout, record: SwitchRecord) -> None:

@@ -10,7 +10,7 @@ live progress. Everything else (which layout, when to switch, the switch itself)
 controller core's and the agents' work, exactly as on a cluster.
 
 Nothing here blocks the job: a joining worker is started and handed to the controller once its
-agent is up, and the runner's :meth:`LocalRunner._intake` (new workers, exits, due scenario
+agent is up, and the runner's :meth:`LocalRunner._sense` (new workers, exits, due scenario
 events) also runs while a switch waits, so a signal is taken in within a step of its arrival
 whatever is in flight.
 
@@ -37,6 +37,7 @@ from dynatrain.agent.worker_control import DEFAULT_GRACE_S
 from dynatrain.trainer.backend import visible_gpu
 
 from . import decide
+from . import inbox as ev
 from .core import JobController, JobFailed
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
@@ -201,7 +202,7 @@ class LocalRunner:
         self.events: list[Event] = []
         """Scenario events not yet due."""
         self.event_log: list[dict] = []
-        self.controller.intake = self._intake
+        self.controller.sense = self._sense
         self.grace_s = min([e.notice_seconds for e in scenario.events if e.kind == "evict"],
                            default=DEFAULT_GRACE_S)
         """What the workers report as their grace period once told to leave: the shortest
@@ -273,7 +274,7 @@ class LocalRunner:
                 w.metrics = f"127.0.0.1:{info['metrics_port']}"
                 client = AgentClient(w.agent, token_file=str(self.token_file))
                 client.wait_healthy(30.0)
-                self.controller.add_device(w.device, client)
+                self.controller.push(ev.DeviceUp(w.device, client))
                 self._say(f"worker {w.device} up (standby)")
                 self._write_sd()
                 continue
@@ -332,7 +333,7 @@ class LocalRunner:
             self._write_sd()
             if w.device in self.controller.lost:
                 self.failures.append((w.device, time.time()))
-                self.controller.remove_device(w.device)
+                self.controller.push(ev.DeviceLeft(w.device))
                 continue
             if decide.exit_is_failure(member=w.device in self.controller.members,
                                       released=False, code=code):
@@ -340,13 +341,14 @@ class LocalRunner:
                 if self.restart_on_failure:
                     self._restart(w.device, code)
                     return
-                self.controller.fail_device(w.device, f"worker exited with code {code}; its "
-                                            f"log ends:\n{_tail(w.log, 5)}")
+                self.controller.push(ev.DeviceFailed(
+                    w.device, f"worker exited with code {code}; its log ends:\n"
+                    f"{_tail(w.log, 5)}"))
                 continue
             if code != 0 and not w.expected_exit:
                 self._say(f"worker {w.device} (standing by) exited with code {code}; its log "
                           f"ends:\n{_tail(w.log, 5)}")
-            self.controller.remove_device(w.device)
+            self.controller.push(ev.DeviceLeft(w.device))
 
     def _restart(self, device: int, code) -> None:
         """Checkpoint-and-restart: every worker stops, fresh ones load the newest checkpoint."""
@@ -382,7 +384,7 @@ class LocalRunner:
                     continue
                 w.kill_at = time.monotonic() + event.notice_seconds
                 w.expected_exit = True
-                self.controller.notice(d, event.notice_seconds)
+                self.controller.push(ev.Notice(d, event.notice_seconds))
         elif event.kind == "evict":
             for d in event.workers:
                 w = self.workers.get(d)
@@ -415,9 +417,9 @@ class LocalRunner:
             self._say(f"  workers {new} starting")
         elif event.kind == "minEfficiency":     # a spec edit, as `kubectl edit` makes it
             self.job = dataclasses.replace(self.job, min_efficiency=event.value)
-            self.controller.set_job(self.job)
+            self.controller.push(ev.SpecEdited(self.job))
         else:
-            self.controller.request_layout(event.layout)
+            self.controller.push(ev.LayoutRequested(event.layout))
 
     def _release(self, devices) -> None:
         """Stop the workers a ``release`` switch left out, or a slow one a rebalance left out
@@ -445,9 +447,10 @@ class LocalRunner:
                                    "time": time.time()})
             self._apply(event)
 
-    def _intake(self) -> None:
-        """Take in what happened: workers that came up or exited, scenario events now due.
-        The controller also calls it while a switch waits."""
+    def _sense(self) -> None:
+        """Push what happened into the controller's inbox: workers that came up or exited,
+        scenario events now due. The controller also calls it while a switch waits (and takes
+        the events in after it)."""
         self._register_ready()
         if not self.restart_on_failure:        # a restart replaces every worker: not mid-switch
             self._check_workers()

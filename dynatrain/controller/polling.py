@@ -3,9 +3,10 @@
 :func:`poll` asks each member of the running generation for its Status: the step records it
 brings are taken in by :func:`ingest` (steps, losses, throughput, the samples each data reader
 consumed, the wall times of steps), and the ones that do not answer, or answer but hang outside
-a collective (:func:`find_hung`), are declared failed for the next tick to recover. These
-functions work on a :class:`.core.JobController`'s state; its :meth:`~.core.JobController.poll`
-and ``_ingest`` call them.
+a collective (:func:`find_hung`), are declared failed for the next tick to recover. After a
+failed switch, :func:`drop_unreachable` asks the devices it involved whether they are still
+there. These functions work on a :class:`.core.JobController`'s state; its
+:meth:`~.core.JobController.poll` and ``_ingest`` call them.
 """
 
 from __future__ import annotations
@@ -131,3 +132,24 @@ def ingest(ctl: JobController, device: int, st) -> None:
                 ctl._last_step_at = time.monotonic()
                 ctl._step_seconds = rec.seconds
             p.step, p.loss, p.tokens_per_second = rec.step, rec.loss, rec.tokens_per_second
+
+
+def drop_unreachable(ctl: JobController, devices) -> bool:
+    """After a failed switch: ask each device for its Status; fail (members) or drop (others)
+    those that do not answer. True if any was gone."""
+    gone = False
+    for d in sorted(devices):
+        client = ctl.clients.get(d)
+        if client is None:           # failed, or removed while the switch ran
+            gone = True
+            continue
+        try:
+            client.status(since_step=1 << 62, timeout_s=ctl.timeouts.watchdog_s)
+        except AgentCallError as e:
+            gone = True
+            if d in ctl.members:
+                ctl.fail_device(d, f"stopped answering during a switch: {e}")
+            else:
+                ctl.log(f"device {d} is gone: {e}")
+                ctl.remove_device(d)
+    return gone

@@ -85,6 +85,17 @@ class Progress:
         return added
 
 
+    def rewind(self, step: int) -> None:
+        """Forget what came after ``step``: those steps are trained again (counted in
+        :attr:`retrained`)."""
+        self.retrained += max(0, self.step - step)
+        self.step = step
+        self.losses = {k: v for k, v in self.losses.items() if k <= step}
+        self.reads = {k: v for k, v in self.reads.items() if k <= step}
+        self.inferred = {k: v for k, v in self.inferred.items() if k <= step}
+        self.loss = self.losses.get(step)
+
+
 def _gaps(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """The parts of [lo, hi) that no span covers."""
     gaps, at = [], lo

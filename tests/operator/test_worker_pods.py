@@ -60,6 +60,8 @@ def test_a_leaver_of_the_switch_in_flight_is_not_replaced():
     c._in_switch = ({0, 1, 2}, parse_layout("dp=2").with_devices([0, 1]), "rebalance")
     assert c.leaving == {2}
     pods.replace(_ended(2))
+    assert 2 in c.clients                 # pushed into the controller's inbox, not yet taken in
+    c.take_in()
     assert deleted == ["j-worker-2"] and 2 in pods.left
     assert pods.replaced == 0 and events == []               # no WorkerReplaced, no back-off
     assert 2 not in c.clients and not c.failed and c.lost == []
@@ -71,6 +73,7 @@ def test_a_member_that_ends_outside_a_switch_is_failed_and_replaced():
     c, pods, deleted, events = _room()
     assert c.leaving == frozenset()
     pods.replace(_ended(1))
+    c.take_in()
     assert deleted == ["j-worker-1"] and pods.replaced == 1
     assert [e[1] for e in events] == ["WorkerReplaced"]
     assert c.failed == {1} and c.lost == [1]
@@ -78,4 +81,5 @@ def test_a_member_that_ends_outside_a_switch_is_failed_and_replaced():
     c, pods, deleted, events = _room()
     c._in_switch = ({0, 1, 2}, parse_layout("dp=2").with_devices([0, 1]), "rebalance")
     pods.replace(_ended(0))
+    c.take_in()
     assert pods.replaced == 1 and c.failed == {0}
