@@ -53,6 +53,10 @@ from dynatrain.ports import free_port
 from .processes import Component, check_output, wait_until
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
+EVICTION_NODEFS_PERCENT = 1
+"""The kubelet evicts pods once less than this share of its disk is free (``evictionHard``;
+Kubernetes' default is 10 %, too much for a shared development disk)."""
+_GIB = 1 << 30
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
 REAL_NODE_LABEL = "dynatrain.io/real-node"
 """Set to ``"true"`` on a kubelet-run node (kwok's nodes carry kwok's annotation instead)."""
@@ -264,12 +268,31 @@ state = "{d / 'state'}"
     def _import_images(self, wanted: list) -> None:
         from . import images
 
+        self._check_disk(wanted)
         started = time.monotonic()
         images.import_images(self.containerd_socket, wanted)
         self.images = {"pause": wanted[0].ref,
                        **{n: img.ref for n, img in zip(self.config.pod_images, wanted[1:])}}
         self._log(f"[devcluster] real node {self.config.name}: imported "
                   f"{', '.join(self.images.values())} in {time.monotonic() - started:.0f} s")
+
+    def _check_disk(self, wanted: list) -> None:
+        """Refuse to start, saying why, if importing ``wanted`` would leave the disk below the
+        kubelet's eviction threshold: the kubelet would then evict the node's pods (the job's
+        workers, the operator) for ``ephemeral-storage`` as they start, which a test sees only
+        as a job that never trains. containerd keeps each image twice (its content store and
+        the unpacked snapshot)."""
+        need = 2 * sum(img.archive.stat().st_size for img in wanted)
+        usage = shutil.disk_usage(self.workdir)
+        floor = usage.total * EVICTION_NODEFS_PERCENT / 100
+        if usage.free - need < floor + _GIB:
+            raise DevClusterError(
+                f"real node {self.config.name}: importing its images needs about "
+                f"{need / _GIB:.1f} GiB under {self.workdir}, and the kubelet evicts pods once "
+                f"less than {EVICTION_NODEFS_PERCENT}% of that disk ({floor / _GIB:.1f} GiB) is "
+                f"free; {usage.free / _GIB:.1f} GiB is free now. Free some space (old "
+                "/tmp/pytest-of-* directories; a real node's work directory left by a killed "
+                "run) and start again")
 
     def _start_kubelet(self, timeout: datetime.timedelta) -> None:
         from .kubeconfig import build_kubeconfig, write_kubeconfig
@@ -300,8 +323,9 @@ state = "{d / 'state'}"
             "nodeStatusUpdateFrequency": "2s",
             # A shared development disk is often fuller than the defaults allow (15 % free
             # for images): no eviction, and no image GC, for images cannot be pulled again.
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%"},
+            "evictionHard": {"memory.available": "100Mi",
+                             "nodefs.available": f"{EVICTION_NODEFS_PERCENT}%",
+                             "imagefs.available": f"{EVICTION_NODEFS_PERCENT}%"},
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
             "podLogsDir": str(d / "pod-logs"),
             "resolvConf": "/etc/resolv.conf",

@@ -94,6 +94,16 @@ class OperatorPod:
                     f"\n{self.logs()}")
             time.sleep(1)
 
+    def describe(self) -> str:
+        """The operator's pods, one line each (an evicted or crashing one says so)."""
+        pods = self.cluster.core().list_namespaced_pod(RELEASE_NAMESPACE,
+                                                       label_selector=self.selector).items
+        return "\n".join(
+            f"operator pod {p.metadata.name}: {p.status.phase} {p.status.reason or ''} "
+            f"{p.status.message or ''} restarts "
+            f"{[c.restart_count for c in p.status.container_statuses or ()]}"
+            for p in pods) or "no operator pod"
+
     def logs(self) -> str:
         try:
             self._last_logs = self.kubectl("logs", "-n", RELEASE_NAMESPACE,

@@ -239,5 +239,6 @@ def test_the_operator_trains_and_recovers_in_real_containers(real_cluster, real_
         wait("the job's pods to be gone", lambda: not core.list_namespaced_pod(
             ns, label_selector="dynatrain.io/job=real").items, timeout=120)
     finally:
+        print(op.describe())
         op.stop()
         print(op.logs()[-6000:])
