@@ -4,18 +4,19 @@ Both front ends drive a :class:`JobController` the same way: they push what they
 inbox as typed events (:mod:`.inbox`: a device up, a notice, a device left or failed, a spec
 edit, a layout request; :meth:`JobController.push`) and call :meth:`tick` often. The controller
 takes its inbox in at points of its own (:meth:`JobController.take_in`): at the start of each
-tick, and while a switch waits. A tick reads every member's progress over the agents' Status (steps, losses, the samples each
-data reader consumed), asks the :class:`~.policy.Policy` whether to switch, and runs the
-two-phase switch (:mod:`.orchestrator`) when it says so, retrying a failed Prepare with a fresh
-generation. The controller never touches training state itself; it only talks to agents.
+tick, and while a switch waits. A tick reads every member's progress over the agents' Status
+(steps, losses, the samples each data reader consumed), asks the :class:`~.policy.Policy`
+whether to switch, and runs the two-phase switch (:mod:`.orchestrator`) when it says so,
+retrying a failed Prepare with a fresh generation. The controller never touches training state
+itself; it only talks to agents.
 
 Signals never wait behind a switch: while one is being prepared or committed, the controller
 keeps reading progress, asks the front end to look again (:attr:`JobController.sense`, which
-only pushes events) and takes its inbox in, and a Prepare whose target a newer signal made wrong (a device lost, a
-notice on a device of the target, a user's request over a voluntary switch) is aborted and
-re-planned at once; a signal that does not conflict is merged into the next decision. Every
-requested layout is answered (:class:`LayoutRequest`): applied, waiting for capacity with the
-reason, superseded, or refused with the solver's reason.
+only pushes events) and takes its inbox in, and a Prepare whose target a newer signal made
+wrong (a device lost, a notice on a device of the target, a user's request over a voluntary
+switch) is aborted and re-planned at once; a signal that does not conflict is merged into the
+next decision. Every requested layout is answered (:class:`LayoutRequest`): applied, waiting
+for capacity with the reason, superseded, or refused with the solver's reason.
 
 The controller keeps the job's state and its switch machinery here; three roles that work on
 that state live beside it as functions of the controller: reading progress and the watchdog

@@ -84,7 +84,6 @@ class Progress:
                 added[k] = gaps
         return added
 
-
     def rewind(self, step: int) -> None:
         """Forget what came after ``step``: those steps are trained again (counted in
         :attr:`retrained`)."""

@@ -291,9 +291,8 @@ class _Build:
                                     "--shell", "/usr/sbin/nologin", "dynatrain"], timeout=60)
                 self.in_root(root, ["python3", "-m", "venv", VENV], timeout=300)
             deps = inputs["dependencies"]
-            with self.step("pip install", f"pip=={PIP_VERSION} and {len(deps)} dependencies "
-                           f"({', '.join(d.split('>')[0].split('=')[0] for d in deps[:3])}...) "
-                           f"into {VENV}"):
+            with self.step("pip install", f"pip=={PIP_VERSION} and the {self.label} image's "
+                           f"{len(deps)} dependencies into {VENV}"):
                 self._pip_install(root, [[f"pip=={PIP_VERSION}"], deps])
             with self.step("clean", "apt lists and caches, logs, pip cache"):
                 _clean_root(root)
@@ -428,7 +427,8 @@ class _Build:
         except (OSError, ValueError):
             return None, None
         layer = Layer(info["digest"], info["size"])
-        for candidate in sorted(cache.glob(f"{image.kind}-*.tar"), key=lambda p: -p.stat().st_mtime):
+        for candidate in sorted(cache.glob(f"{image.kind}-*.tar"),
+                                key=lambda p: -p.stat().st_mtime):
             if _Archive.first_layer_end(candidate, layer) is not None:
                 return layer, candidate
         return layer, None

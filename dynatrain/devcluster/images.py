@@ -12,7 +12,8 @@ image-layout archives (``oci-layout``, ``index.json``, ``blobs/sha256/...`` in o
 - ``localhost/dynatrain-operator:dev`` (:func:`operator_image`), the Dockerfile's ``operator``
   target: built as the worker image below, with operator/requirements.txt in its venv instead
   of the project's dependencies and the wheel installed ``--no-deps`` (no torch; 390 MiB);
-- ``localhost/dynatrain:dev`` (:func:`worker_image`), the project's image for the workers, made as the repository's ``Dockerfile`` makes it but with Debian's tools instead
+- ``localhost/dynatrain:dev`` (:func:`worker_image`), the project's image for the workers,
+  made as the repository's ``Dockerfile`` makes it but with Debian's tools instead
   of Docker: a root file system from ``debootstrap --variant=minbase`` with Debian's python3,
   a venv at ``/opt/dynatrain`` holding the dependencies from PyPI, the project's wheel
   installed into it, user ``dynatrain`` (UID 10001) and the Dockerfile's entry point,
@@ -79,7 +80,8 @@ from .imagebuild import _Build, _busybox_deb, _cache_lock, _check_output, _size
 from .imagespec import (
     _ARCHIVE_FORMAT, _PROGRESS, DEBIAN_PACKAGES, DEFAULT_MIRROR, PAUSE_CONFIG, PAUSE_REF,
     PAUSE_SCRIPT, PIP_VERSION, PROJECT_IMAGES, PYTHON_VERSION, SUITE, USER_HOME, USER_UID, VENV,
-    WORKER_CONFIG, WORKER_REF, OPERATOR_CONFIG, OPERATOR_REF, ImageBuildError, Log, ProjectImage, _base_inputs, _build_context, _file_sha256, _hash,
+    WORKER_CONFIG, WORKER_REF, OPERATOR_CONFIG, OPERATOR_REF, ImageBuildError, Log,
+    _base_inputs, _build_context, _file_sha256, _hash,
     _tree_hash, debian_mirror, images_cache,
 )
 from .ocilayout import Image, Layer, _go_arch, _read_image, tar_tree
@@ -87,9 +89,9 @@ from .ocilayout import Image, Layer, _go_arch, _read_image, tar_tree
 __all__ = [
     "DEBIAN_PACKAGES", "DEFAULT_MIRROR", "PAUSE_CONFIG", "PAUSE_REF", "PAUSE_SCRIPT",
     "PIP_VERSION", "PYTHON_VERSION", "SUITE", "USER_HOME", "USER_UID", "VENV", "WORKER_CONFIG",
-    "WORKER_REF", "OPERATOR_CONFIG", "OPERATOR_REF", "Image", "ImageBuildError", "Layer", "Log",
-    "debian_mirror", "images_cache", "import_images", "main", "operator_image", "pause_image",
-    "tar_tree", "worker_image",
+    "WORKER_REF", "OPERATOR_CONFIG", "OPERATOR_REF", "PROJECT_IMAGES", "Image", "ImageBuildError",
+    "Layer", "Log", "debian_mirror", "images_cache", "import_images", "main", "operator_image",
+    "pause_image", "project_image", "tar_tree", "worker_image",
 ]
 
 
@@ -125,7 +127,7 @@ def worker_image(repo_root: Path, *, mirror: str | None = None, log: Log | None 
     Cached: a rebuild after a code change makes only the project's layer (seconds), a change of
     the dependencies rebuilds both (minutes). Building needs root and network.
     """
-    return _project_image(PROJECT_IMAGES["worker"], repo_root, mirror=mirror, log=log)
+    return project_image("worker", repo_root, mirror=mirror, log=log)
 
 
 def operator_image(repo_root: Path, *, mirror: str | None = None,
@@ -134,11 +136,16 @@ def operator_image(repo_root: Path, *, mirror: str | None = None,
     ``operator`` target: the worker's Debian, user and venv, with only
     operator/requirements.txt in it (no torch) and the project's wheel installed ``--no-deps``.
     Cached as the worker image is; its layer 1 is about 390 MiB instead of 5.7 GiB."""
-    return _project_image(PROJECT_IMAGES["operator"], repo_root, mirror=mirror, log=log)
+    return project_image("operator", repo_root, mirror=mirror, log=log)
 
 
-def _project_image(image: ProjectImage, repo_root: Path, *, mirror: str | None,
-                   log: Log | None) -> Image:
+def project_image(kind: str, repo_root: Path, *, mirror: str | None = None,
+                  log: Log | None = None) -> Image:
+    """The project image ``kind`` (a key of :data:`PROJECT_IMAGES`: ``worker``, ``operator``)
+    from the checkout at ``repo_root``, built first if not cached."""
+    if kind not in PROJECT_IMAGES:
+        raise ImageBuildError(f"unknown project image {kind!r}; known: {sorted(PROJECT_IMAGES)}")
+    image = PROJECT_IMAGES[kind]
     log = log or _stderr
     repo_root = Path(repo_root).resolve()
     cache = images_cache()
@@ -244,16 +251,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{debian_mirror()})")
     args = parser.parse_args(argv)
     wanted = args.images or ["pause", "worker"]
-    unknown = sorted(set(wanted) - {"pause", "worker", "operator"})
+    unknown = sorted(set(wanted) - {"pause", *PROJECT_IMAGES})
     if unknown:
-        parser.error(f"unknown image(s) {', '.join(unknown)}: choose from pause, worker, "
-                     "operator")
+        parser.error(f"unknown image(s) {', '.join(unknown)}: choose from pause, "
+                     f"{', '.join(PROJECT_IMAGES)}")
     try:
         for name in dict.fromkeys(wanted):
             started = time.monotonic()
             image = (pause_image() if name == "pause"
-                     else _project_image(PROJECT_IMAGES[name], args.repo, mirror=args.mirror,
-                                         log=None))
+                     else project_image(name, args.repo, mirror=args.mirror))
             print(f"{image.ref}: {image.archive} ({_size(image.archive.stat().st_size)}, "
                   f"layers {', '.join(_size(layer.size) for layer in image.layers)}; manifest "
                   f"{image.manifest_digest}; {time.monotonic() - started:.1f} s)")

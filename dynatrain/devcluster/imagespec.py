@@ -2,9 +2,10 @@
 
 The specification side of :mod:`.images`: the image references, the Debian suite, Python,
 pip and user the project's images (worker and slim operator, :data:`PROJECT_IMAGES`) are made
-of, the images' configs (entry point, user, environment), the error every build step raises, where the cache lives and how the inputs of
-an image (``pyproject.toml``'s dependencies, the Dockerfile's build context, the host's Debian
-mirror) are read and hashed into the keys that name its cache entries. Separate from the
+of, the images' configs (entry point, user, environment), the error every build step raises,
+where the cache lives and how the inputs of an image (``pyproject.toml``'s dependencies, the
+Dockerfile's build context, the host's Debian mirror) are read and hashed into the keys that
+name its cache entries. Separate from the
 builder (:mod:`.imagebuild`) and the archive format (:mod:`.ocilayout`) so that what an image
 holds can be read, and changed, in one place; it runs no command.
 """

@@ -255,15 +255,12 @@ state = "{d / 'state'}"
         """The pause image, then :attr:`RealNodeConfig.pod_images` (cached builds)."""
         from . import images
 
-        builders = {"worker": images.worker_image, "operator": images.operator_image}
-        unknown = [n for n in self.config.pod_images if n not in builders]
+        unknown = [n for n in self.config.pod_images if n not in images.PROJECT_IMAGES]
         if unknown:
             raise DevClusterError(f"RealNodeConfig.pod_images: unknown image(s) {unknown}; "
-                                  f"known: {sorted(builders)}")
-        wanted = [images.pause_image()]
-        for name in self.config.pod_images:
-            wanted.append(builders[name](self._repo_root or TOOLS.parent))
-        return wanted
+                                  f"known: {sorted(images.PROJECT_IMAGES)}")
+        return [images.pause_image(), *(images.project_image(name, self._repo_root or TOOLS.parent)
+                                        for name in self.config.pod_images)]
 
     def _import_images(self, wanted: list) -> None:
         from . import images

@@ -88,10 +88,8 @@ class OperatorPod:
             if ready:
                 return ready[0]
             if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"the operator's pod did not become Ready in {timeout:.0f} s: "
-                    f"{[(p.metadata.name, p.status.phase, p.status.container_statuses) for p in pods]}"
-                    f"\n{self.logs()}")
+                raise AssertionError(f"the operator's pod did not become Ready in "
+                                     f"{timeout:.0f} s:\n{self.describe()}\n{self.logs()}")
             time.sleep(1)
 
     def describe(self) -> str:
