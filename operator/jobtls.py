@@ -195,11 +195,10 @@ class JobTls(Room):
             for old in self.retired:
                 old.close()
             self.retired = []
-        for d, old in list(c.clients.items()):
-            if d in self.agents_at:
-                c.clients[d] = self.agent(*self.agents_at[d])
-                self.retired.append(old)
-        self.log(f"job {self.name}: TLS credentials changed: {len(c.clients)} agent clients "
+        fresh = {d: self.agent(*self.agents_at[d]) for d in c.state.agents
+                 if d in self.agents_at}
+        self.retired += c.reconnect(fresh)
+        self.log(f"job {self.name}: TLS credentials changed: {len(fresh)} agent clients "
                  "re-made")
 
     def close(self) -> None:

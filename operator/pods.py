@@ -158,7 +158,7 @@ class WorkerPods(Room):
             return
         if decide.exit_is_failure(member=d in c.members, released=d in self.left, code=None):
             c.push(ev.DeviceFailed(d, f"its pod is unhealthy: {w.unhealthy}"))
-        elif d in c.clients:
+        elif d in c.state.agents:
             c.push(ev.DeviceLeft(d))
         self.left.add(d)
         self.delete_pod(w.name)
@@ -297,7 +297,7 @@ class WorkerPods(Room):
         self.log(f"job {self.name}: {text}")
         for w in alive:
             self.left.add(w.device)
-            if w.device in c.clients:
+            if w.device in c.state.agents:
                 c.push(ev.DeviceLeft(w.device))
             self.delete_pod(w.name)
         return True
@@ -361,7 +361,7 @@ class WorkerPods(Room):
             self.log(f"worker {w.device}: pod {w.name} deleted: the job wants "
                      f"{len(alive) - surplus} workers")
             self.left.add(w.device)
-            if w.device in c.clients:
+            if w.device in c.state.agents:
                 c.push(ev.DeviceLeft(w.device))
             self.delete_pod(w.name)
 

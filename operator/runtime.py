@@ -275,7 +275,7 @@ class JobRuntime:
             self._start(job)
             return
         self.job = job
-        self.controller.set_job(job)
+        self.controller.push(ev.SpecEdited(job))
         self.log(f"job {self.name}: spec changed (mode {job.mode}, layout "
                  f"{job.layout.to_text() if job.layout else '-'}, workers {job.workers})")
 
@@ -389,7 +389,7 @@ class JobRuntime:
     def _take_in(self, workers) -> None:
         """Capacity signals from the worker pods: gone, unhealthy, doomed, newly up."""
         c = self.controller
-        for d in list(c.clients):                       # pods that are gone
+        for d in sorted(c.state.agents):                # pods that are gone
             if d not in workers:
                 self.log(f"worker {d}: pod gone")
                 if decide.exit_is_failure(member=d in c.members, released=d in self.pods.left,
@@ -404,7 +404,7 @@ class JobRuntime:
                 self.pods.replace(w)
                 del workers[d]
                 continue
-            if w.doomed and d in c.clients and d not in self.noticed:
+            if w.doomed and d in c.state.agents and d not in self.noticed:
                 self.noticed.add(d)
                 if not decide.acts_on_notice(self.job):
                     self._event("Warning", "PreemptionIgnored", f"worker {d} ({w.name}) may be "
@@ -414,7 +414,7 @@ class JobRuntime:
                 c.push(ev.Notice(d, w.deadline_s))
                 self._event("Warning", "Preemption", f"worker {d} ({w.name}) will be lost in "
                             f"{w.deadline_s:.0f} s: {w.why}")
-            if (not w.doomed and d not in c.clients and d not in self.pods.left
+            if (not w.doomed and d not in c.state.agents and d not in self.pods.left
                     and w.phase == "Running" and w.ip):
                 agent = self.jobtls.agent(w.ip, w.name)
                 if agent.health():
@@ -515,7 +515,7 @@ class JobRuntime:
                 continue
             switched_off = w.doomed or (r.reason in ("scale-down", "release", "rebalance")
                                          and r.from_layout)
-            if d not in c.members and d in c.clients and switched_off:   # free its pod
+            if d not in c.members and d in c.state.agents and switched_off:   # free its pod
                 self.pods.left.add(d)
                 c.push(ev.DeviceLeft(d))
                 self.pods.delete_pod(w.name)

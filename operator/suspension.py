@@ -93,7 +93,7 @@ class Suspension(Room):
         if changed:
             self._event("Normal", "Suspended", text)
             self.log(f"job {self.name}: suspended: {text}")
-        for d in list(c.clients):         # pods not yet members (standby, joining)
+        for d in sorted(c.state.agents):  # pods not yet members (standby, joining)
             c.push(ev.DeviceLeft(d))
         c.take_in()
         # The default grace: a suspended worker holds nothing the checkpoint does not and

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dynatrain.agent.client import AgentCallError
 from dynatrain.agent.v1 import agent_pb2 as pb
 
+from . import jobstate as js
 from .errors import JobFailed, layout_text as _text
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def adopt(ctl: JobController) -> str:
     lead = next(st for st in running if st.generation == top and st.layout)
     from dynatrain.vps.layout import parse_layout
 
-    ctl.layout = parse_layout(lead.layout).with_devices(lead.devices)
+    ctl._apply(js.Adopted(parse_layout(lead.layout).with_devices(lead.devices)))
     ctl.generation_running = top
     for d in ctl.layout.device_of:
         if d in statuses:
@@ -72,7 +73,8 @@ def adopt(ctl: JobController) -> str:
         bad = [(d, r) for d, r in zip(members, replies) if isinstance(r, Exception)]
         if bad:
             raise JobFailed(f"finishing generation {g} after a restart failed: {bad}")
-        old, ctl.layout = ctl.layout, new
+        old = ctl.layout
+        ctl._apply(js.Adopted(new))
         ctl.generation_running = g
         ctl.metrics.set_layout(new)
         ctl.metrics.set_generation(g)

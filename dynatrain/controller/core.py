@@ -28,7 +28,6 @@ over a running job after a restart (:mod:`.adopt`). :class:`JobFailed` and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 
 from dynatrain.agent.client import AgentCallError, AgentClient
 from dynatrain.agent.metrics import REASONS, Metrics
@@ -38,6 +37,8 @@ from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from . import decide, feedback, measured, polling, recovery, suspend
 from . import inbox as ev
+from . import jobstate as js
+from .jobstate import JobState, LayoutRequest  # noqa: F401 (importable from here as before)
 from .suspend import Parked
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
@@ -53,47 +54,20 @@ State = pb.StatusResponse.State
 MAX_ATTEMPTS = 3
 
 
-@dataclass
-class LayoutRequest:
-    """A layout a user asked for, and the controller's answer to it."""
-
-    layout: Layout
-    step: int
-    """The job's step when it was asked for."""
-    state: str = "pending"
-    """``pending`` (to be applied at the next decision), ``waiting`` (needs capacity),
-    ``applied``, ``superseded`` (by a newer request, or withdrawn) or ``refused``."""
-    answer: str = ""
-    applied_step: int | None = None
-
-    @property
-    def open(self) -> bool:
-        """Not yet applied, superseded or refused."""
-        return self.state in ("pending", "waiting")
-
-    def summary(self) -> dict:
-        return {"layout": self.layout.to_text(), "step": self.step, "state": self.state,
-                "answer": self.answer, "applied_step": self.applied_step}
-
-
 class JobController:
     def __init__(self, job: JobSpec, *, rendezvous: str, profile: DeviceProfile,
                  metrics: Metrics | None = None, policy: Policy | None = None,
                  timeouts: Timeouts = Timeouts(),
                  devices_per_node: int = DEFAULT_DEVICES_PER_NODE, log=print):
-        self.job, self.rendezvous, self.profile = job, rendezvous, profile
+        self.rendezvous, self.profile = rendezvous, profile
+        self.state = JobState(job=job)
+        """The job's state as one frozen value, changed only by :func:`.jobstate.decide`
+        (:meth:`_apply`); front ends read it, and the properties below, as published."""
         self.metrics = metrics or Metrics(namespace=job.namespace, job=job.name,
                                           reasons=REASONS)
         self.policy = policy or Policy()
         self.timeouts, self.devices_per_node, self.log = timeouts, devices_per_node, log
         self.clients: dict[int, AgentClient] = {}
-        self.doomed: dict[int, float] = {}
-        """Device -> monotonic deadline by which it must have left the running layout."""
-        self.slow: set[int] = set()
-        """Devices left out for computing slower than their peers (:mod:`.straggler`): never
-        usable again; the front ends stop their workers (the local runner) or delete their
-        pods (the operator)."""
-        self.layout: Layout | None = None
         self.generation = 0
         self.generation_running = 0
         """The generation of :attr:`layout` (``generation`` counts every one started)."""
@@ -108,12 +82,6 @@ class JobController:
         self.device_nodes: dict[int, str] = {}
         """device -> the node it runs on, where the front end knows it (a cluster's pods'
         ``spec.nodeName``): a rank's mirror goes to another node. A device never moves."""
-        self.failed: set[int] = set()
-        """Devices of the running layout that died without notice (recovery pending)."""
-        self.lost: list[int] = []
-        """Every device that ever failed (the operator replaces their pods), in order."""
-        self.lost_why: dict[int, str] = {}
-        """Why each device of :attr:`lost` was declared failed."""
         self.interrupted_since: float | None = None
         self.recoveries: list[SwitchRecord] = []
         self.first_step_end: dict[int, float] = {}
@@ -155,22 +123,15 @@ class JobController:
         self._last_pause_s = 1.0
         """The latest generation's pause (a start's included): what a switch is taken to cost
         the job, for the rebalance's payback (1 s before any)."""
-        self.requests: list[LayoutRequest] = []
         self.decisions: list[dict] = []
         """Every switch or recovery started: the step it started at, why, and its target (how
         late a signal was acted on is read from these)."""
         self.on_answer = None
         """Called with a :class:`LayoutRequest` whenever its answer changes (the operator's
         condition and Event; the log line is written here)."""
-        self._auto_job: JobSpec | None = None
-        """The spec before the first request fixed the layout (restored if it is refused)."""
-        self._in_switch: tuple[set[int], Layout, str] | None = None
-        """(devices taking part, target, reason) of the switch in flight."""
         self._to_close: list[AgentClient] = []
         self.previous_devices: tuple[int, ...] = ()
         """Devices of the generation before the running one (their snapshots may be kept)."""
-        self._exits_in_switch: dict[int, str] = {}
-        """Leavers of the switch in flight that exited (see :meth:`fail_device`)."""
         self._last_step_at = time.monotonic()
         """When the job last trained a step (or switched): the give-up clock."""
         self._step_seconds = 0.0
@@ -180,7 +141,93 @@ class JobController:
         self._misses: dict[int, int] = {}
         """Device -> Status calls it missed in a row (a suspect: no switch starts with it)."""
 
-    # -- the inbox -----------------------------------------------------------------------------
+    # -- the state, as published -----------------------------------------------------------------
+    @property
+    def job(self) -> JobSpec:
+        return self.state.job
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.state.layout
+
+    @property
+    def doomed(self) -> dict[int, float]:
+        """Device -> monotonic deadline by which it must have left the running layout."""
+        return self.state.doomed
+
+    @property
+    def failed(self) -> frozenset[int]:
+        """Devices of the running layout that died without notice (recovery pending)."""
+        return self.state.failed
+
+    @property
+    def lost(self) -> list[int]:
+        """Every device that ever failed (the operator replaces their pods), in order."""
+        return [d for d, _ in self.state.lost]
+
+    @property
+    def lost_why(self) -> dict[int, str]:
+        """Why each device of :attr:`lost` was declared failed."""
+        return dict(self.state.lost)
+
+    @property
+    def slow(self) -> frozenset[int]:
+        """Devices left out for computing slower than their peers (:mod:`.straggler`): never
+        usable again; the front ends stop their workers (the local runner) or delete their
+        pods (the operator)."""
+        return self.state.slow
+
+    @property
+    def requests(self) -> tuple[LayoutRequest, ...]:
+        return self.state.requests
+
+    def pending_request(self) -> LayoutRequest | None:
+        return self.state.pending_request
+
+    @property
+    def switching(self) -> bool:
+        """A switch or recovery is in flight (signals are taken in meanwhile)."""
+        return self.state.flight is not None
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        """Members that the switch in flight takes out of the job. Their workers exit as their
+        part ends, which a front end may see before the switch's record: they left, and are
+        not to be replaced (if the switch then fails, the exit counts as a failure)."""
+        return self.state.leaving
+
+    @property
+    def usable(self) -> list[int]:
+        return list(self.state.usable)
+
+    @property
+    def members(self) -> list[int]:
+        return list(self.state.members)
+
+    # -- decide, then execute ----------------------------------------------------------------------
+    def _apply(self, event) -> tuple:
+        """One event through :func:`.jobstate.decide`; the bookkeeping actions it returns are
+        done here, the rest (a tick's decision, an abort) returned to the caller."""
+        self.state, actions = js.decide(self.state, event)
+        rest = []
+        for a in actions:
+            if isinstance(a, js.Close):
+                client = self.clients.pop(a.device, None)
+                self._last_answer.pop(a.device, None)
+                self._misses.pop(a.device, None)
+                if client is not None:
+                    (self._to_close.append if a.later else lambda c: c.close())(client)
+            elif isinstance(a, js.Log):
+                self.log(a.text)
+            elif isinstance(a, js.Answered):
+                if self.on_answer is not None:
+                    self.on_answer(a.request)
+            elif isinstance(a, js.Workers):
+                self.metrics.set_workers(a.count)
+            else:
+                rest.append(a)
+        return tuple(rest)
+
     def push(self, *events: ev.Event) -> None:
         """Report what the front end saw (:mod:`.inbox`); safe from any thread. Taken in at
         the next :meth:`take_in`: the next tick, or while a switch waits."""
@@ -191,143 +238,38 @@ class JobController:
         controller does so at the start of each tick and while a switch waits; a front end
         may, between ticks, to read its own events' effect in the same pass."""
         events = self.inbox.take()
+        if events:
+            self._apply(js.Progressed(self.progress.step))
         for e in events:
-            ev.apply(self, e)
+            if isinstance(e, ev.DeviceUp):       # the connection is the executor's to keep
+                self.clients[e.device] = e.client
+                self._last_answer[e.device] = time.monotonic()
+            self._apply(e)
         return len(events)
 
-    # -- capacity ------------------------------------------------------------------------------
-    def add_device(self, device: int, client: AgentClient) -> None:
-        self.clients[device] = client
-        self._last_answer[device] = time.monotonic()
-        self._report_workers()
-
-    def notice(self, device: int, seconds: float, *, at: float | None = None) -> None:
-        """``device`` will be gone ``seconds`` after ``at`` (monotonic; default now): the
-        running layout must leave it now."""
-        self.doomed[device] = (time.monotonic() if at is None else at) + seconds
-        self._report_workers()
-
-    def remove_device(self, device: int) -> None:
-        client = self.clients.pop(device, None)
-        if client is not None:
-            if self._in_switch is not None:
-                self._to_close.append(client)    # the switch in flight may still call it
-            else:
-                client.close()
-        self.doomed.pop(device, None)
-        self._last_answer.pop(device, None)
-        self._misses.pop(device, None)
-        self._report_workers()
-
-    def fail_device(self, device: int, why: str) -> None:
-        """``device`` died without notice (a crash, a lost node): the next tick recovers.
-
-        A leaver of the switch in flight exits as its part ends: that is a failure only if
-        the switch then fails (judged when it ends)."""
-        if self._in_switch is not None and device in self.members \
-                and device not in self._in_switch[1].device_of:
-            self._exits_in_switch.setdefault(device, why)
-        elif device in self.members and device not in self.failed:
-            self._mark_failed(device, why)
-        self.remove_device(device)
-
-    def _mark_failed(self, device: int, why: str) -> None:
-        self.log(f"device {device} failed: {why}")
-        self.failed.add(device)
-        self.lost.append(device)
-        self.lost_why[device] = why
+    def reconnect(self, fresh: dict[int, AgentClient]) -> list[AgentClient]:
+        """Replace the connections to these devices' agents (new TLS material), changing
+        nothing the job decides on; returns the old ones, for the caller to close once no
+        switch holds them."""
+        old = [self.clients[d] for d in fresh if d in self.clients]
+        self.clients.update({d: cl for d, cl in fresh.items() if d in self.clients})
+        return old
 
     def restart_from(self, checkpoint: str, step: int) -> None:
         """Every worker was replaced (checkpoint-and-restart): start again from ``checkpoint``.
         What the inbox holds is taken in first: it is of the workers now gone."""
         self.take_in()
-        for client in self.clients.values():
-            client.close()
-        self.clients.clear()
-        self.doomed.clear()
-        self.failed.clear()
-        self.layout = None
+        self._apply(js.Restarted())
         self.generation_running = 0          # none runs (the count goes on: ``generation``)
         self.interrupted_since = None
         self.resume_from = checkpoint
         self._rewind(step)
         self._seen.clear()
-        self._report_workers()
 
     def suspend(self) -> tuple[str, int]:
         """One checkpoint by every member, then no further training (``spec.suspend``, and a
         park): :func:`.suspend.suspend`."""
         return suspend.suspend(self)
-
-    def request_layout(self, layout: Layout) -> LayoutRequest:
-        """A user asked for this layout (``parallelism.mode: fixed``). It is applied at the
-        next decision, or answered with why not (:attr:`requests`)."""
-        for old in self.requests:
-            if old.open:
-                self._answer(old, "superseded", f"superseded by the request for "
-                             f"{layout.to_text()}")
-        if self._auto_job is None and self.job.mode != "fixed":
-            self._auto_job = self.job
-        self.job = replace(self.job, mode="fixed", layout=layout)
-        req = LayoutRequest(layout, self.progress.step)
-        self.requests.append(req)
-        if layout.same_shape(self.layout):
-            self._answer(req, "applied", "already running", step=self.progress.step)
-        else:
-            self._answer(req, "pending", f"requested at step {req.step}")
-        return req
-
-    def set_job(self, job: JobSpec) -> None:
-        """The spec was edited (the operator): a new fixed layout is a request; back to
-        ``auto`` withdraws one."""
-        before = self.job
-        self.job = job
-        if job.mode == "fixed" and job.layout is not None and (
-                before.mode != "fixed" or before.layout is None
-                or not before.layout.same_shape(job.layout)):
-            self._auto_job = None
-            self.request_layout(job.layout)
-        elif job.mode != "fixed":
-            self._auto_job = None
-            for req in self.requests:
-                if req.open:
-                    self._answer(req, "superseded", "withdrawn: parallelism.mode is auto again")
-
-    def pending_request(self) -> LayoutRequest | None:
-        return next((r for r in reversed(self.requests) if r.open), None)
-
-    def _answer(self, req: LayoutRequest, state: str, text: str, *,
-                step: int | None = None) -> None:
-        if (req.state, req.answer) == (state, text):
-            return
-        req.state, req.answer = state, text
-        if state == "applied":
-            req.applied_step = step
-        self.log(f"layout request {req.layout.to_text()}: {state}: {text}")
-        if self.on_answer is not None:
-            self.on_answer(req)
-
-    @property
-    def switching(self) -> bool:
-        """A switch or recovery is in flight (signals are taken in meanwhile)."""
-        return self._in_switch is not None
-
-    @property
-    def leaving(self) -> frozenset[int]:
-        """Members that the switch in flight takes out of the job. Their workers exit as their
-        part ends, which a front end may see before the switch's record: they left, and are
-        not to be replaced (if the switch then fails, :meth:`fail_device` counts the exit)."""
-        if self._in_switch is None:
-            return frozenset()
-        return frozenset(self.members) - frozenset(self._in_switch[1].device_of)
-
-    @property
-    def usable(self) -> list[int]:
-        return sorted(d for d in self.clients if d not in self.doomed and d not in self.slow)
-
-    @property
-    def members(self) -> list[int]:
-        return list(self.layout.device_of) if self.layout else []
 
     def reported_step(self) -> int:
         """The last step every live member has reported, its reads included. Members finish a
@@ -335,9 +277,6 @@ class JobController:
         may still lack a reader's record: an audit stops here rather than call it unread."""
         live = [self._seen.get(d, 0) for d in self.members if d not in self.failed]
         return min([self.progress.step] + live)
-
-    def _report_workers(self) -> None:
-        self.metrics.set_workers(len(self.usable))
 
     # -- taking over a running job ---------------------------------------------------------------
     def adopt(self) -> str:
@@ -348,43 +287,31 @@ class JobController:
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> SwitchRecord | None:
-        """Read progress; act on what :func:`.decide.next_action` says. Returns the switch
-        made, if any."""
+        """Read progress; act on what :func:`.jobstate.decide` makes of the tick (the rules of
+        :func:`.decide.next_action`). Returns the switch made, if any."""
         self.take_in()
         self.poll()
         self._measure()
-        action = decide.next_action(self.view(), self.policy, self.job, self.decision_profile)
-        req = self.pending_request()
-        if isinstance(action, decide.Finished):
-            for r in self.requests:
-                if r.open:
-                    self._answer(r, "refused", f"not applied: the job finished at step "
-                                 f"{self.progress.step} first ({r.answer})")
-            return None
-        if isinstance(action, decide.GiveUp):
-            raise JobFailed(action.why)
-        if isinstance(action, decide.Recover):
-            return recovery.recover(self)
-        if isinstance(action, decide.Park):
-            suspend.park(self, action.why)
-            return None
-        if isinstance(action, decide.Refuse):
-            self._refuse(req, action.why)
-            return None
-        if req is not None and isinstance(action, (decide.Idle, decide.Switch)) \
-                and action.answer is not None:
-            self._answer(req, action.answer.state, action.answer.text)
-        if not isinstance(action, decide.Switch):
-            return None
-        decision = action.decision
-        if decision.note:
-            self.log(f"{decision.reason}: {decision.note}")
-        record = self._switch(decision.layout, decision.reason)
-        if record is not None and decision.reason in decide.VOLUNTARY:
-            self.policy.record_voluntary()
-        if record is not None and decision.left_out:
-            self.slow.update(decision.left_out)          # never taken back (see usable)
-        return record
+        self._apply(js.Progressed(self.progress.step))
+        for action in self._apply(self._tick_event()):
+            if isinstance(action, decide.GiveUp):
+                raise JobFailed(action.why)
+            if isinstance(action, decide.Recover):
+                return recovery.recover(self)
+            if isinstance(action, decide.Park):
+                suspend.park(self, action.why)
+                return None
+            if isinstance(action, decide.Switch):
+                decision = action.decision
+                if decision.note:
+                    self.log(f"{decision.reason}: {decision.note}")
+                record = self._switch(decision.layout, decision.reason)
+                if record is not None and decision.reason in decide.VOLUNTARY:
+                    self.policy.record_voluntary()
+                if record is not None and decision.left_out:
+                    self._apply(js.LeftOut(frozenset(decision.left_out)))
+                return record
+        return None
 
     def _measure(self) -> None:
         """Refresh the running generation's measurement (:mod:`.measured`); log the first."""
@@ -423,28 +350,25 @@ class JobController:
         except SolverError:
             return None
 
-    def view(self) -> decide.View:
-        """The controller's state as the values :mod:`.decide` reads."""
-        req = self.pending_request()
-        return decide.View(
-            now=time.monotonic(), layout=self.layout, usable=tuple(self.usable),
-            doomed=frozenset(self.doomed), failed=frozenset(self.failed),
-            misses=dict(self._misses), step=self.progress.step,
+    def _tick_event(self) -> js.Tick:
+        """The executor's facts at this instant, for a decision (:class:`.jobstate.Tick`)."""
+        return js.Tick(
+            now=time.monotonic(), policy=self.policy, profile=self.decision_profile,
             finished=self.progress.finished, last_step_at=self._last_step_at,
             give_up_s=self.timeouts.give_up_s, interrupted_since=self.interrupted_since,
             recover_in_memory=self.recover_in_memory,
-            wait_below_minimum=self.wait_below_minimum, speeds=dict(self.device_speeds),
-            request=decide.Request(req.layout) if req is not None else None,
+            wait_below_minimum=self.wait_below_minimum,
+            misses=tuple(sorted(self._misses.items())),
+            speeds=tuple(sorted(self.device_speeds.items())),
             measurement=self.measurements.get(self.generation_running),
-            switch_cost_s=self._last_pause_s, measured_steps=dict(self.feedback.steps),
+            switch_cost_s=self._last_pause_s,
+            measured_steps=tuple(sorted(self.feedback.steps.items())),
             share=self.share.workers if self.share is not None and self.share.contended
             else None)
 
-    def _refuse(self, req: LayoutRequest, why: str) -> None:
-        self._answer(req, "refused", why)
-        # Run on as before the request: the layout the job had, or the solver's choice.
-        self.job = self._auto_job or replace(self.job, layout=self.layout)
-        self._auto_job = None
+    def view(self) -> decide.View:
+        """The controller's state as the values :mod:`.decide` reads."""
+        return js.view(self.state, self._tick_event())
 
     def _decided(self, reason: str, target: Layout) -> None:
         self.decisions.append({"step": self.progress.step, "reason": reason,
@@ -459,11 +383,10 @@ class JobController:
         if self.sense is not None:
             self.sense()
         self.take_in()
-        if phase != "prepare" or self._in_switch is None:
+        if phase != "prepare":
             return None
-        involved, new, reason = self._in_switch
-        return decide.superseded(self.view(), decide.InFlight(frozenset(involved), new, reason),
-                                 present=frozenset(self.clients))
+        aborts = self._apply(js.Watch(time.monotonic(), tuple(sorted(self._misses.items()))))
+        return aborts[0].why if aborts else None
 
     def poll(self, *, judge: bool = True) -> Progress:
         """Collect step records from every member, and declare failed the ones the watchdog
@@ -481,20 +404,17 @@ class JobController:
     def _run_switch(self, generation: int, old: Layout | None, new: Layout, reason: str,
                     involved, **kw) -> SwitchRecord:
         """One two-phase switch, watching for signals while it waits (see :meth:`_watch`)."""
-        self._in_switch = (set(involved), new, reason)
+        self._apply(js.SwitchBegan(frozenset(involved), new, reason))
+        ok = False
         try:
-            return switch(dict(self.clients), generation, old, new, self.rendezvous,
-                          reason=reason, timeouts=self.timeouts,
-                          devices_per_node=self.devices_per_node, watch=self._watch,
-                          device_nodes=dict(self.device_nodes), **kw)
-        except SwitchFailed:
-            for d, why in self._exits_in_switch.items():      # they left nothing behind
-                if d in self.members and d not in self.failed:
-                    self._mark_failed(d, why)
-            raise
+            record = switch(dict(self.clients), generation, old, new, self.rendezvous,
+                            reason=reason, timeouts=self.timeouts,
+                            devices_per_node=self.devices_per_node, watch=self._watch,
+                            device_nodes=dict(self.device_nodes), **kw)
+            ok = True
+            return record
         finally:
-            self._in_switch = None
-            self._exits_in_switch.clear()
+            self._apply(js.SwitchEnded(ok))
             for client in self._to_close:
                 client.close()
             self._to_close.clear()
@@ -567,7 +487,10 @@ class JobController:
         self.progress.rewind(step)
         self._seen = {d: min(v, step) for d, v in self._seen.items()}
 
-    def _after_switch(self, old: Layout | None, new: Layout, record: SwitchRecord) -> None:
+    def _after_switch(self, old: Layout | None, new: Layout, record: SwitchRecord, *,
+                      recovered: bool = False, displaced: str = "") -> None:
+        """The job runs ``new`` (a switch, or a recovery: ``recovered``; ``displaced``, its
+        answer to a pending request it did not meet)."""
         # Read what leavers did up to the switch before they exit (their last Status).
         for d in sorted(set(old.device_of if old else ()) - set(new.device_of) - self.failed):
             try:
@@ -578,18 +501,13 @@ class JobController:
                 pass
         self.previous_devices = tuple(old.device_of) if old is not None else ()
         self._last_pause_s = record.pause_seconds
-        self.layout = new
+        self._apply(js.Committed(new, record.step, record.reason, recovered, displaced))
         self.generation_running = record.generation
         for d in new.device_of:          # a newcomer's first record is of the step after this
             self._seen.setdefault(d, record.step)
         self._last_step_at = time.monotonic()
-        req = self.pending_request()
-        if req is not None and req.layout.same_shape(new):
-            self._answer(req, "applied", f"applied at step {record.step} ({record.reason})",
-                         step=record.step)
         self.metrics.set_layout(new)
         self.metrics.set_generation(self.generation)
-        self._report_workers()
         if old is not None:          # the first generation is a start, not a switch
             self.switches.append(record)
             self.metrics.observe_switch(record.reason, "success",

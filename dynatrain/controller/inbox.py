@@ -17,9 +17,9 @@ flight was then taken for a failure before the switch's record said otherwise). 
 that reads the controller's state right after pushing, in the same pass, takes the inbox in
 first (``push(...)`` then ``take_in()``), outside a switch.
 
-The events are plain frozen values, each applied by the controller method of that name
-(:func:`apply`); tests/controller/test_inbox.py replays tables of them against a controller
-whose agents are fakes.
+The events are plain frozen values, applied by the one function that changes the job's state,
+:func:`.jobstate.decide`; tests/controller/test_jobstate.py replays tables of them against it,
+and tests/controller/test_inbox.py against a controller whose agents are fakes.
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 from dynatrain.spec.job import JobSpec
 from dynatrain.vps.layout import Layout
-
-if TYPE_CHECKING:
-    from .core import JobController
 
 
 @dataclass(frozen=True)
@@ -112,19 +109,3 @@ class Inbox:
             except queue.Empty:
                 return out
 
-
-def apply(ctl: JobController, e: Event) -> None:
-    """One event, by the controller's method for it (the controller calls this as it takes its
-    inbox in)."""
-    if isinstance(e, DeviceUp):
-        ctl.add_device(e.device, e.client)
-    elif isinstance(e, Notice):
-        ctl.notice(e.device, e.seconds, at=e.at)
-    elif isinstance(e, DeviceLeft):
-        ctl.remove_device(e.device)
-    elif isinstance(e, DeviceFailed):
-        ctl.fail_device(e.device, e.why)
-    elif isinstance(e, SpecEdited):
-        ctl.set_job(e.job)
-    else:
-        ctl.request_layout(e.layout)

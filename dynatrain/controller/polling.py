@@ -20,6 +20,7 @@ from dynatrain.agent.client import AgentCallError
 from dynatrain.agent.v1 import agent_pb2 as pb
 
 from . import decide
+from . import inbox as ev
 from .errors import JobFailed
 from .progress import Progress
 
@@ -54,7 +55,7 @@ def poll(ctl: JobController, *, judge: bool = True) -> Progress:
             why = decide.after_status_error(slow=slow, silent_s=silent,
                                             watchdog_s=ctl.timeouts.watchdog_s)
             if judge and why is not None:
-                ctl.fail_device(d, why if slow else f"{why}: {e}")
+                ctl._apply(ev.DeviceFailed(d, why if slow else f"{why}: {e}"))
             continue
         ctl._last_answer[d] = time.monotonic()
         ctl._misses.pop(d, None)
@@ -63,7 +64,7 @@ def poll(ctl: JobController, *, judge: bool = True) -> Progress:
             # (spec.preemptionPolicy Ignore: it is lost at its deadline, and recovered).
             ctl.log(f"device {d} is leaving ({st.leaving_in_seconds:.0f} s of its grace "
                     "period left): switching it out")
-            ctl.notice(d, st.leaving_in_seconds)
+            ctl._apply(ev.Notice(d, st.leaving_in_seconds))
         if st.state == State.FAILED and judge:
             raise JobFailed(f"device {d} failed: {st.error}")
         states.append(st.state)
@@ -96,8 +97,9 @@ def find_hung(ctl: JobController, waits: dict[int, float]) -> None:
         return
     waiting = sorted(d for d, w in waits.items() if w >= limit / 2)
     for d in decide.hung(waits, stalled_s=stalled, limit_s=limit):
-        ctl.fail_device(d, f"hung: no step for {stalled:.1f} s while devices {waiting} "
-                           f"wait for it in a collective (watchdog {limit:g} s)")
+        ctl._apply(ev.DeviceFailed(d, f"hung: no step for {stalled:.1f} s while devices "
+                                      f"{waiting} wait for it in a collective (watchdog "
+                                      f"{limit:g} s)"))
 
 
 def ingest(ctl: JobController, device: int, st) -> None:
@@ -148,8 +150,8 @@ def drop_unreachable(ctl: JobController, devices) -> bool:
         except AgentCallError as e:
             gone = True
             if d in ctl.members:
-                ctl.fail_device(d, f"stopped answering during a switch: {e}")
+                ctl._apply(ev.DeviceFailed(d, f"stopped answering during a switch: {e}"))
             else:
                 ctl.log(f"device {d} is gone: {e}")
-                ctl.remove_device(d)
+                ctl._apply(ev.DeviceLeft(d))
     return gone

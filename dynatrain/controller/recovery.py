@@ -20,6 +20,8 @@ from dynatrain.vps.layout import Layout
 
 from .costmodel import SolverError
 from .decide import choose_restore
+from . import inbox as ev
+from . import jobstate as js
 from .errors import JobFailed, layout_text as _text
 from .orchestrator import Restore, SwitchFailed, SwitchRecord
 
@@ -56,8 +58,8 @@ def recover(ctl: JobController) -> SwitchRecord | None:
                                                 timeout_s=ctl.timeouts.watchdog_s)
         except AgentCallError as e:
             # Lost too: recover again over the devices that answer.
-            ctl.fail_device(d, f"does not answer during the recovery from the failure "
-                               f"of devices {list(failed)}: {e}")
+            ctl._apply(ev.DeviceFailed(d, "does not answer during the recovery from the "
+                                          f"failure of devices {list(failed)}: {e}"))
             return None
         if d in old.device_of:
             ctl._ingest(d, holdings[d])        # steps reported since the last poll
@@ -114,13 +116,10 @@ def recover(ctl: JobController) -> SwitchRecord | None:
     record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
     ctl._rewind(record.step)
     ctl._infer_unreported_reads(record.step)
-    req = ctl.pending_request()
-    if req is not None and not req.layout.same_shape(new):
-        ctl._answer(req, "pending", f"superseded by the failure of devices "
-                    f"{list(failed)} (recovered to {new.to_text()} at step "
-                    f"{record.step}): re-requested after the recovery")
-    ctl._after_switch(old, new, record)
-    ctl.failed.clear()
+    ctl._after_switch(old, new, record, recovered=True,
+                      displaced=f"superseded by the failure of devices {list(failed)} "
+                                f"(recovered to {new.to_text()} at step {record.step}): "
+                                "re-requested after the recovery")
     ctl.interrupted_since = None
     ctl.recoveries.append(record)
     return record
@@ -184,12 +183,8 @@ def reconcile(ctl: JobController) -> bool:
         new = parse_layout(text).with_devices(devices)
         ctl.log(f"generation {generation} ({new.to_text()} on {list(devices)}) completed "
                 "on the survivors; recovering from it")
-        ctl.failed = {d for d in ctl.failed if d in devices}
-        for d in devices:                 # gone before it was a member on record
-            if d not in ctl.clients and d not in ctl.failed:
-                ctl._mark_failed(d, "lost while the switch to generation "
-                                    f"{generation} completed")
         ctl.previous_devices = tuple(ctl.layout.device_of)
-        ctl.layout, ctl.generation_running = new, generation
+        ctl._apply(js.Reconciled(new, generation))
+        ctl.generation_running = generation
         return True
     return False

@@ -32,7 +32,7 @@ def suspend(c: JobController) -> tuple[str, int]:
     with what this returned: the job continues from that step under whatever layout fits
     the workers it then has. Raises :class:`SuspendFailed` (the job trains on, or is recovered if a
     member died inside the collective save)."""
-    if c.layout is None or c._in_switch is not None:
+    if c.layout is None or c.switching:
         raise SuspendFailed("no generation is running" if c.layout is None
                             else "a switch is in flight")
     members, g = c.members, c.generation_running

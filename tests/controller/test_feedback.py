@@ -163,10 +163,11 @@ def test_a_layout_the_job_ran_and_measured_slower_is_not_chosen_again_as_better(
 
 def test_the_decisions_read_the_calibrated_profile_only_with_rebalance_on():
     from dynatrain.controller.core import JobController
+    from dynatrain.controller.jobstate import JobState
 
     for enabled in (True, False):
         ctl = JobController.__new__(JobController)
-        ctl.job = job(parallelism={"rebalance": {"enabled": enabled}})
+        ctl.state = JobState(job(parallelism={"rebalance": {"enabled": enabled}}))
         ctl.profile, ctl.feedback = H100, Feedback()
         ctl.feedback.by_generation[1] = Factors(step5(14), step5(22))
         want = calibrated(H100, Factors(step5(14), step5(22))) if enabled else H100

@@ -18,6 +18,7 @@ import yaml
 
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.controller import inbox as ev
+from dynatrain.controller import jobstate as js
 from dynatrain.controller.core import JobController
 from dynatrain.spec.hardware import PROFILES
 from dynatrain.spec.job import job_from_manifest
@@ -44,11 +45,11 @@ def _controller(devices=(0, 1, 2), layout="dp=3") -> JobController:
     body["metadata"] = {"name": "j", "namespace": "ns", "uid": "uid-j"}
     c = JobController(job_from_manifest(body), rendezvous="127.0.0.1:1",
                       profile=PROFILES["cpu"], log=lambda _: None)
-    for d in devices:
-        c.add_device(d, _Agent())
+    c.push(*(ev.DeviceUp(d, _Agent()) for d in devices))
+    c.take_in()
     if layout:
         shape = parse_layout(layout)
-        c.layout = shape.with_devices(list(devices)[:shape.world])   # the rest: standby
+        c._apply(js.Adopted(shape.with_devices(list(devices)[:shape.world])))  # rest: standby
     return c
 
 
@@ -107,7 +108,7 @@ def test_a_spec_edit_to_a_fixed_layout_is_a_request_and_back_to_auto_withdraws_i
     assert (req.state, c.pending_request()) == ("pending", req)
     c.push(ev.SpecEdited(replace(fixed, mode="auto", layout=None)))
     c.take_in()
-    assert req.state == "superseded" and c.pending_request() is None
+    assert c.requests[0].state == "superseded" and c.pending_request() is None
 
 
 def test_a_notice_deadline_counts_from_when_it_was_seen_not_when_taken_in():
@@ -120,11 +121,12 @@ def test_a_notice_deadline_counts_from_when_it_was_seen_not_when_taken_in():
 
 def test_an_exit_of_a_leaver_of_the_switch_in_flight_waits_for_the_switch_to_end():
     c = _controller((0, 1, 2), "dp=3")
-    c._in_switch = ({0, 1, 2}, parse_layout("dp=2").with_devices([0, 1]), "rebalance")
+    c._apply(js.SwitchBegan(frozenset({0, 1, 2}), parse_layout("dp=2").with_devices([0, 1]),
+                            "rebalance"))
     c.push(ev.DeviceFailed(2, "exited as its part ended"))
     c.take_in()
     assert 2 not in c.clients and not c.failed and c.lost == []
-    assert c._exits_in_switch == {2: "exited as its part ended"}
+    assert c.state.exits == ((2, "exited as its part ended"),)
 
 
 def test_something_else_is_refused_naming_what_would_do():
@@ -159,7 +161,8 @@ def test_while_a_switch_waits_the_front_end_only_pushes_and_the_controller_takes
     middle of a switch. ``sense`` only pushes: while it runs, the controller is unchanged;
     the events apply when the controller takes its inbox in, right after."""
     c = _controller((0, 1, 2), "dp=3")
-    c._in_switch = ({0, 1, 2}, parse_layout("dp=3").with_devices([0, 1, 2]), "scale-up")
+    c._apply(js.SwitchBegan(frozenset({0, 1, 2}), parse_layout("dp=3").with_devices([0, 1, 2]),
+                            "scale-up"))
     seen_inside = {}
 
     def sense():

@@ -143,6 +143,8 @@ def test_a_recovery_accounts_the_reads_no_record_reached(tmp_path):
     # reader's step-8 reads, the survivors' as well as the dead worker's: each must be
     # counted once, and a read that was reported must not be counted again. A joiner that
     # never reported anything (its _seen is 0) must not make up reads of steps before it.
+    from dynatrain.controller import inbox as ev
+    from dynatrain.controller import jobstate as js
     from dynatrain.controller.core import JobController
     from dynatrain.spec.hardware import PROFILES
     from dynatrain.spec.job import load_job
@@ -187,6 +189,8 @@ def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
     from types import SimpleNamespace
 
     from dynatrain.agent.v1 import agent_pb2 as pb
+    from dynatrain.controller import inbox as ev
+    from dynatrain.controller import jobstate as js
     from dynatrain.controller.core import JobController
     from dynatrain.spec.hardware import PROFILES
     from dynatrain.spec.job import load_job
@@ -195,7 +199,7 @@ def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
     job = load_job(_job(tmp_path, "dp=4"))
     gbs, per_rank = job.global_batch_size, job.global_batch_size // 4
     ctl = JobController(job, rendezvous="127.0.0.1:1", profile=PROFILES["cpu"])
-    ctl.layout = parse_layout("dp=4").with_devices((0, 1, 2, 3))
+    ctl._apply(js.Adopted(parse_layout("dp=4").with_devices((0, 1, 2, 3))))
 
     def report(device, steps):
         # The agent's own message (a stand-in would miss fields the controller reads).
@@ -215,6 +219,6 @@ def test_the_audit_waits_for_every_readers_record_of_a_step(tmp_path):
                                            f"{19 * gbs + 2 * per_rank}) never read"]
     report(1, [20])
     assert ctl.reported_step() == 20 and ctl.progress.audit(gbs, 20) == []
-    ctl.failed.add(2)                             # a failed member no longer holds it back
+    ctl._apply(ev.DeviceFailed(2, "killed"))      # a failed member no longer holds it back
     report(0, [21]), report(1, [21]), report(3, [21])
     assert ctl.reported_step() == 21

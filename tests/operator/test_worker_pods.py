@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import yaml
 
+from dynatrain.controller import inbox as ev
+from dynatrain.controller import jobstate as js
 from dynatrain.controller.core import JobController
 from dynatrain.operator.basics import JobContext, Settings
 from dynatrain.operator.cluster import WorkerPod
@@ -43,9 +45,9 @@ def _room():
                      generation=lambda: 1, controller=lambda: c)
     pods = WorkerPods(ctx, view=None, secret_name=lambda: "s", publish=lambda force: None,
                       worker_uids=set())
-    for d in range(3):
-        c.add_device(d, _Client())
-    c.layout = parse_layout("dp=3").with_devices([0, 1, 2])
+    c.push(*(ev.DeviceUp(d, _Client()) for d in range(3)))
+    c.take_in()
+    c._apply(js.Adopted(parse_layout("dp=3").with_devices([0, 1, 2])))
     return c, pods, deleted, events
 
 
@@ -57,7 +59,8 @@ def _ended(d: int) -> WorkerPod:
 def test_a_leaver_of_the_switch_in_flight_is_not_replaced():
     c, pods, deleted, events = _room()
     # A shrink dp=3 -> dp=2 in flight (what core._run_switch holds while it runs).
-    c._in_switch = ({0, 1, 2}, parse_layout("dp=2").with_devices([0, 1]), "rebalance")
+    c._apply(js.SwitchBegan(frozenset({0, 1, 2}), parse_layout("dp=2").with_devices([0, 1]),
+                            "rebalance"))
     assert c.leaving == {2}
     pods.replace(_ended(2))
     assert 2 in c.clients                 # pushed into the controller's inbox, not yet taken in
@@ -66,7 +69,7 @@ def test_a_leaver_of_the_switch_in_flight_is_not_replaced():
     assert pods.replaced == 0 and events == []               # no WorkerReplaced, no back-off
     assert 2 not in c.clients and not c.failed and c.lost == []
     # Its exit is kept for the switch's end: a failure only if the switch fails.
-    assert 2 in c._exits_in_switch
+    assert 2 in dict(c.state.exits)
 
 
 def test_a_member_that_ends_outside_a_switch_is_failed_and_replaced():
@@ -79,7 +82,8 @@ def test_a_member_that_ends_outside_a_switch_is_failed_and_replaced():
     assert c.failed == {1} and c.lost == [1]
     # Nor is a member the switch in flight keeps a leaver.
     c, pods, deleted, events = _room()
-    c._in_switch = ({0, 1, 2}, parse_layout("dp=2").with_devices([0, 1]), "rebalance")
+    c._apply(js.SwitchBegan(frozenset({0, 1, 2}), parse_layout("dp=2").with_devices([0, 1]),
+                            "rebalance"))
     pods.replace(_ended(0))
     c.take_in()
     assert pods.replaced == 1 and c.failed == {0}

@@ -1,0 +1,491 @@
+"""The job's state as one frozen value, and the one function that changes it.
+
+:func:`decide` is ``(state, event) -> (state, actions)``: it takes a :class:`JobState` and one
+event and returns the next state and what the executor (:class:`~.core.JobController`) must
+do. It has no clock, no network and no process of its own, and imports no grpc, kubernetes or
+torch (a contract in pyproject.toml says so), so whole event sequences are replayed against it
+in milliseconds (tests/controller/test_jobstate.py, and the overlap property's random
+scenarios in tests/controller/test_decide.py).
+
+What it owns:
+
+- **who takes part**: the devices with an agent, preemption notices and their deadlines,
+  devices that failed (and why), stragglers left out, the running layout;
+- **the switch in flight** (its devices, target and reason), and the leavers that exited
+  during it, which count as failures only if it fails;
+- **layout requests and their answers**: pending, waiting for capacity, applied, superseded,
+  refused, and the spec the job goes back to when one is refused or withdrawn;
+- **the decisions**: at a :class:`Tick`, :func:`.decide.next_action` over the state and the
+  executor's facts (progress, the watchdog's misses, measurements); at a :class:`Watch`
+  while a Prepare is in flight, :func:`.decide.superseded`.
+
+The events are the front ends' (:mod:`.inbox`: a device up, a notice, a device left or
+failed, a spec edit, a layout request) and the executor's own: what its actions came to (a
+switch began, committed or failed; a recovery; a restart; an adoption) and the facts of a
+tick. The actions are what only the executor can do: close an agent's connection, write the
+log, tell the front end a request's answer, set the worker count, and run what a tick decided
+(:class:`~.decide.Switch`, :class:`~.decide.Recover`, :class:`~.decide.Park`,
+:class:`~.decide.GiveUp`) or abort a Prepare (:class:`Abort`).
+
+The executor keeps only what is not a decision: the agents' connections, progress and its
+audit, measurements, and the two-phase switch itself (:mod:`.orchestrator`). Front ends read
+the state as published, a value that no one can change under them
+(:attr:`~.core.JobController.state`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Union
+
+from dynatrain.spec.hardware import DeviceProfile
+from dynatrain.spec.job import JobSpec
+from dynatrain.vps.layout import Layout
+
+from . import decide as rules
+from . import inbox as ev
+from .measured import Measurement
+from .policy import Policy
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """A layout a user asked for, and the controller's answer to it."""
+
+    layout: Layout
+    step: int
+    """The job's step when it was asked for."""
+    state: str = "pending"
+    """``pending`` (to be applied at the next decision), ``waiting`` (needs capacity),
+    ``applied``, ``superseded`` (by a newer request, or withdrawn) or ``refused``."""
+    answer: str = ""
+    applied_step: int | None = None
+
+    @property
+    def open(self) -> bool:
+        """Not yet applied, superseded or refused."""
+        return self.state in ("pending", "waiting")
+
+    def summary(self) -> dict:
+        return {"layout": self.layout.to_text(), "step": self.step, "state": self.state,
+                "answer": self.answer, "applied_step": self.applied_step}
+
+
+@dataclass(frozen=True)
+class JobState:
+    """Everything the job's decisions read and change, as one value."""
+
+    job: JobSpec
+    auto_job: JobSpec | None = None
+    """The spec before the first request fixed the layout (restored if it is refused)."""
+    layout: Layout | None = None
+    """The running layout with its devices (None before the first generation)."""
+    step: int = 0
+    """The job's step as the executor last read it."""
+    agents: frozenset[int] = frozenset()
+    """Devices whose agent answers (members, joiners, standbys)."""
+    deadlines: tuple[tuple[int, float], ...] = ()
+    """(device, monotonic deadline by which it must have left the running layout), sorted."""
+    slow: frozenset[int] = frozenset()
+    """Devices left out for computing slower than their peers: never usable again."""
+    failed: frozenset[int] = frozenset()
+    """Devices of the running layout that died without notice (recovery pending)."""
+    lost: tuple[tuple[int, str], ...] = ()
+    """Every device that ever failed, in order, and why (the operator replaces their pods)."""
+    flight: rules.InFlight | None = None
+    """The switch or recovery in flight."""
+    exits: tuple[tuple[int, str], ...] = ()
+    """Leavers of the switch in flight that exited (a failure only if the switch fails)."""
+    requests: tuple[LayoutRequest, ...] = ()
+
+    @property
+    def doomed(self) -> dict[int, float]:
+        """Device -> its notice's deadline (a copy)."""
+        return dict(self.deadlines)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(self.layout.device_of) if self.layout else ()
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        """Devices with an agent, no notice and not left out, sorted."""
+        doomed = self.doomed
+        return tuple(sorted(d for d in self.agents if d not in doomed and d not in self.slow))
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        """Members that the switch in flight takes out of the job."""
+        if self.flight is None:
+            return frozenset()
+        return frozenset(self.members) - frozenset(self.flight.target.device_of)
+
+    @property
+    def pending_request(self) -> LayoutRequest | None:
+        return next((r for r in reversed(self.requests) if r.open), None)
+
+
+# -- the executor's events -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Progressed:
+    """The executor read the job's progress: it is at ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class SwitchBegan:
+    """A switch (or recovery) from the running layout to ``target`` is being prepared."""
+
+    involved: frozenset[int]
+    target: Layout
+    reason: str
+
+
+@dataclass(frozen=True)
+class SwitchEnded:
+    """The switch in flight ended, committed (``ok``) or failed: then its leavers that exited
+    left nothing behind and count as failed."""
+
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The job runs ``layout`` from ``step`` on, after a switch for ``reason`` (or a
+    recovery: ``recovered``, which replaced the failed devices)."""
+
+    layout: Layout
+    step: int
+    reason: str
+    recovered: bool = False
+    displaced: str = ""
+    """A recovery's answer to the pending request it did not meet (it waits again)."""
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """After a restart of the controller: the agents run ``layout``."""
+
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """A switch seen failing completed on every survivor: they run ``layout`` (generation
+    ``generation``); its devices without an agent are lost."""
+
+    layout: Layout
+    generation: int
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """Every worker was replaced (checkpoint-and-restart, a park): no agent, no layout."""
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A committed switch left these stragglers out (never usable again)."""
+
+    devices: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Decide what the job does now, given the executor's facts (:class:`~.decide.View`'s
+    fields that the state does not hold) and its policy and device profile."""
+
+    now: float
+    policy: Policy = field(compare=False)
+    profile: DeviceProfile
+    finished: bool = False
+    last_step_at: float = 0.0
+    give_up_s: float = float("inf")
+    interrupted_since: float | None = None
+    recover_in_memory: bool = True
+    wait_below_minimum: bool = False
+    misses: tuple[tuple[int, int], ...] = ()
+    speeds: tuple[tuple[int, float], ...] = ()
+    measurement: Measurement | None = None
+    switch_cost_s: float = 1.0
+    measured_steps: tuple[tuple[str, float], ...] = ()
+    share: int | None = None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """A Prepare is in flight: is its target still right? (``misses``: the watchdog's.)"""
+
+    now: float
+    misses: tuple[tuple[int, int], ...] = ()
+
+
+Event = Union[ev.Event, Progressed, SwitchBegan, SwitchEnded, Committed, Adopted, Reconciled,
+              Restarted, LeftOut, Tick, Watch]
+
+
+# -- actions -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Close:
+    """Close ``device``'s agent connection (after the switch in flight, which may still call
+    it, when ``later``)."""
+
+    device: int
+    later: bool = False
+
+
+@dataclass(frozen=True)
+class Log:
+    text: str
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A request's answer changed (the front end shows it)."""
+
+    request: LayoutRequest
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The job's usable worker count changed."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort the Prepare in flight: a newer signal made its target wrong."""
+
+    why: str
+
+
+Action = Union[Close, Log, Answered, Workers, Abort, rules.Action]
+
+
+# -- the reducer ---------------------------------------------------------------------------------
+def decide(s: JobState, e: Event) -> tuple[JobState, tuple[Action, ...]]:
+    """The next state and what the executor does, for one event."""
+    out: list[Action] = []
+    for kind, handler in _HANDLERS:
+        if isinstance(e, kind):
+            s = handler(s, e, out)
+            return s, tuple(out)
+    raise TypeError(f"not a job event: {e!r}")
+
+
+def decide_all(s: JobState, events) -> tuple[JobState, tuple[Action, ...]]:
+    """:func:`decide` over ``events`` in order; every action, in order."""
+    out: list[Action] = []
+    for e in events:
+        s, acts = decide(s, e)
+        out.extend(acts)
+    return s, tuple(out)
+
+
+def view(s: JobState, t: Tick) -> rules.View:
+    """The state and a tick's facts as the values :func:`.decide.next_action` reads."""
+    req = s.pending_request
+    return rules.View(
+        now=t.now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
+        failed=s.failed, misses=dict(t.misses), step=s.step, finished=t.finished,
+        last_step_at=t.last_step_at, give_up_s=t.give_up_s,
+        interrupted_since=t.interrupted_since, recover_in_memory=t.recover_in_memory,
+        request=rules.Request(req.layout) if req is not None else None,
+        measurement=t.measurement, switch_cost_s=t.switch_cost_s, share=t.share,
+        speeds=dict(t.speeds), measured_steps=dict(t.measured_steps),
+        wait_below_minimum=t.wait_below_minimum)
+
+
+def _workers(s: JobState, out: list) -> None:
+    out.append(Workers(len(s.usable)))
+
+
+def _device_up(s: JobState, e: ev.DeviceUp, out: list) -> JobState:
+    s = replace(s, agents=s.agents | {e.device})
+    _workers(s, out)
+    return s
+
+
+def _notice(s: JobState, e: ev.Notice, out: list) -> JobState:
+    doomed = {**s.doomed, e.device: e.at + e.seconds}
+    s = replace(s, deadlines=tuple(sorted(doomed.items())))
+    _workers(s, out)
+    return s
+
+
+def _device_left(s: JobState, e: ev.DeviceLeft, out: list) -> JobState:
+    if e.device in s.agents:
+        out.append(Close(e.device, later=s.flight is not None))
+    doomed = s.doomed
+    doomed.pop(e.device, None)
+    s = replace(s, agents=s.agents - {e.device}, deadlines=tuple(sorted(doomed.items())))
+    _workers(s, out)
+    return s
+
+
+def _mark_failed(s: JobState, device: int, why: str, out: list) -> JobState:
+    out.append(Log(f"device {device} failed: {why}"))
+    return replace(s, failed=s.failed | {device}, lost=s.lost + ((device, why),))
+
+
+def _device_failed(s: JobState, e: ev.DeviceFailed, out: list) -> JobState:
+    # A leaver of the switch in flight exits as its part ends: that is a failure only if the
+    # switch then fails (judged when it ends, :func:`_switch_ended`).
+    d = e.device
+    if s.flight is not None and d in s.members and d not in s.flight.target.device_of:
+        if d not in dict(s.exits):
+            s = replace(s, exits=s.exits + ((d, e.why),))
+    elif d in s.members and d not in s.failed:
+        s = _mark_failed(s, d, e.why, out)
+    return _device_left(s, ev.DeviceLeft(d), out)
+
+
+def _answer(s: JobState, req: LayoutRequest, state: str, text: str, out: list, *,
+            step: int | None = None) -> JobState:
+    """``req`` (one of ``s.requests``) now answered ``state``/``text``."""
+    if (req.state, req.answer) == (state, text):
+        return s
+    new = replace(req, state=state, answer=text,
+                  applied_step=step if state == "applied" else req.applied_step)
+    out.append(Log(f"layout request {req.layout.to_text()}: {state}: {text}"))
+    out.append(Answered(new))
+    return replace(s, requests=tuple(new if r is req else r for r in s.requests))
+
+
+def _requested(s: JobState, e: ev.LayoutRequested, out: list) -> JobState:
+    layout = e.layout
+    for old in s.requests:
+        if old.open:
+            s = _answer(s, old, "superseded", f"superseded by the request for "
+                        f"{layout.to_text()}", out)
+    auto = s.auto_job
+    if auto is None and s.job.mode != "fixed":
+        auto = s.job
+    req = LayoutRequest(layout, s.step)
+    s = replace(s, auto_job=auto, job=replace(s.job, mode="fixed", layout=layout),
+                requests=s.requests + (req,))
+    if layout.same_shape(s.layout):
+        return _answer(s, req, "applied", "already running", out, step=s.step)
+    return _answer(s, req, "pending", f"requested at step {req.step}", out)
+
+
+def _spec_edited(s: JobState, e: ev.SpecEdited, out: list) -> JobState:
+    # A new fixed layout is a request; back to ``auto`` withdraws one.
+    before, job = s.job, e.job
+    s = replace(s, job=job)
+    if job.mode == "fixed" and job.layout is not None and (
+            before.mode != "fixed" or before.layout is None
+            or not before.layout.same_shape(job.layout)):
+        return _requested(replace(s, auto_job=None), ev.LayoutRequested(job.layout), out)
+    if job.mode != "fixed":
+        s = replace(s, auto_job=None)
+        for req in s.requests:
+            if req.open:
+                s = _answer(s, req, "superseded", "withdrawn: parallelism.mode is auto again",
+                            out)
+    return s
+
+
+def _progressed(s: JobState, e: Progressed, out: list) -> JobState:
+    return replace(s, step=e.step) if e.step != s.step else s
+
+
+def _switch_began(s: JobState, e: SwitchBegan, out: list) -> JobState:
+    return replace(s, flight=rules.InFlight(e.involved, e.target, e.reason), exits=())
+
+
+def _switch_ended(s: JobState, e: SwitchEnded, out: list) -> JobState:
+    exits, s = s.exits, replace(s, flight=None, exits=())
+    if not e.ok:
+        for d, why in exits:              # they left nothing behind: failures after all
+            if d in s.members and d not in s.failed:
+                s = _mark_failed(s, d, why, out)
+    return s
+
+
+def _committed(s: JobState, e: Committed, out: list) -> JobState:
+    req = s.pending_request
+    if e.recovered and req is not None and not req.layout.same_shape(e.layout) \
+            and e.displaced:
+        s = _answer(s, req, "pending", e.displaced, out)
+    s = replace(s, layout=e.layout)
+    req = s.pending_request
+    if req is not None and req.layout.same_shape(e.layout):
+        s = _answer(s, req, "applied", f"applied at step {e.step} ({e.reason})", out,
+                    step=e.step)
+    if e.recovered:
+        s = replace(s, failed=frozenset())
+    _workers(s, out)
+    return s
+
+
+def _adopted(s: JobState, e: Adopted, out: list) -> JobState:
+    return replace(s, layout=e.layout)
+
+
+def _reconciled(s: JobState, e: Reconciled, out: list) -> JobState:
+    devices = set(e.layout.device_of)
+    s = replace(s, failed=frozenset(d for d in s.failed if d in devices))
+    for d in e.layout.device_of:          # gone before it was a member on record
+        if d not in s.agents and d not in s.failed:
+            s = _mark_failed(s, d, f"lost while the switch to generation {e.generation} "
+                             "completed", out)
+    return replace(s, layout=e.layout)
+
+
+def _restarted(s: JobState, e: Restarted, out: list) -> JobState:
+    out.extend(Close(d) for d in sorted(s.agents))
+    s = replace(s, agents=frozenset(), deadlines=(), failed=frozenset(), layout=None)
+    _workers(s, out)
+    return s
+
+
+def _left_out(s: JobState, e: LeftOut, out: list) -> JobState:
+    s = replace(s, slow=s.slow | e.devices)
+    _workers(s, out)
+    return s
+
+
+def _tick(s: JobState, t: Tick, out: list) -> JobState:
+    action = rules.next_action(view(s, t), t.policy, s.job, t.profile)
+    req = s.pending_request
+    if isinstance(action, rules.Finished):
+        for r in s.requests:
+            if r.open:
+                s = _answer(s, r, "refused", f"not applied: the job finished at step {s.step} "
+                            f"first ({r.answer})", out)
+        return s
+    if isinstance(action, rules.Refuse):
+        s = _answer(s, req, "refused", action.why, out)
+        # Run on as before the request: the layout the job had, or the solver's choice.
+        return replace(s, job=s.auto_job or replace(s.job, layout=s.layout), auto_job=None)
+    if req is not None and isinstance(action, (rules.Idle, rules.Switch)) \
+            and action.answer is not None:
+        s = _answer(s, req, action.answer.state, action.answer.text, out)
+    if not isinstance(action, rules.Idle):
+        out.append(action)
+    return s
+
+
+def _watch(s: JobState, w: Watch, out: list) -> JobState:
+    if s.flight is None:
+        return s
+    v = rules.View(now=w.now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
+                   failed=s.failed, misses=dict(w.misses),
+                   request=rules.Request(s.pending_request.layout)
+                   if s.pending_request is not None else None)
+    why = rules.superseded(v, s.flight, present=s.agents)
+    if why is not None:
+        out.append(Abort(why))
+    return s
+
+
+_HANDLERS = (
+    (ev.DeviceUp, _device_up), (ev.Notice, _notice), (ev.DeviceLeft, _device_left),
+    (ev.DeviceFailed, _device_failed), (ev.LayoutRequested, _requested),
+    (ev.SpecEdited, _spec_edited), (Progressed, _progressed), (SwitchBegan, _switch_began),
+    (SwitchEnded, _switch_ended), (Committed, _committed), (Adopted, _adopted),
+    (Reconciled, _reconciled), (Restarted, _restarted), (LeftOut, _left_out), (Tick, _tick), (Watch, _watch),
+)
