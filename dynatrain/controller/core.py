@@ -18,10 +18,14 @@ switch) is aborted and re-planned at once; a signal that does not conflict is me
 next decision. Every requested layout is answered (:class:`LayoutRequest`): applied, waiting
 for capacity with the reason, superseded, or refused with the solver's reason.
 
-The controller keeps the job's state and its switch machinery here; three roles that work on
-that state live beside it as functions of the controller: reading progress and the watchdog
-(:mod:`.polling`), recovery after devices die without notice (:mod:`.recovery`), and taking
-over a running job after a restart (:mod:`.adopt`). :class:`JobFailed` and
+Decide, then execute: the job's state is one frozen value (:attr:`JobController.state`), and
+only :func:`.jobstate.decide` changes it, one event at a time (:meth:`JobController._apply`).
+The controller here is its executor: it keeps what is not a decision (the agents' connections,
+progress and its audit, measurements) and does what the reducer returns: close a connection,
+log, answer the front end, run a switch, a recovery or a park. Three roles of the executor live
+beside it as functions of the controller: reading progress, whose Status answers and failures
+go to the watchdog's rules as events (:mod:`.polling`), recovery after devices die without
+notice (:mod:`.recovery`), and taking over a running job after a restart (:mod:`.adopt`). :class:`JobFailed` and
 :class:`SuspendFailed` are defined in :mod:`.errors` and importable from here as before.
 """
 
@@ -136,10 +140,6 @@ class JobController:
         """When the job last trained a step (or switched): the give-up clock."""
         self._step_seconds = 0.0
         """The latest step's duration (the watchdog waits at least three of them)."""
-        self._last_answer: dict[int, float] = {}
-        """Device -> monotonic time of its last answered Status (the watchdog's clock)."""
-        self._misses: dict[int, int] = {}
-        """Device -> Status calls it missed in a row (a suspect: no switch starts with it)."""
 
     # -- the state, as published -----------------------------------------------------------------
     @property
@@ -213,8 +213,6 @@ class JobController:
         for a in actions:
             if isinstance(a, js.Close):
                 client = self.clients.pop(a.device, None)
-                self._last_answer.pop(a.device, None)
-                self._misses.pop(a.device, None)
                 if client is not None:
                     (self._to_close.append if a.later else lambda c: c.close())(client)
             elif isinstance(a, js.Log):
@@ -243,8 +241,9 @@ class JobController:
         for e in events:
             if isinstance(e, ev.DeviceUp):       # the connection is the executor's to keep
                 self.clients[e.device] = e.client
-                self._last_answer[e.device] = time.monotonic()
             self._apply(e)
+            if isinstance(e, ev.DeviceUp):       # the watchdog's clock starts now
+                self._apply(js.StatusAnswered(e.device, time.monotonic()))
         return len(events)
 
     def reconnect(self, fresh: dict[int, AgentClient]) -> list[AgentClient]:
@@ -358,7 +357,6 @@ class JobController:
             give_up_s=self.timeouts.give_up_s, interrupted_since=self.interrupted_since,
             recover_in_memory=self.recover_in_memory,
             wait_below_minimum=self.wait_below_minimum,
-            misses=tuple(sorted(self._misses.items())),
             speeds=tuple(sorted(self.device_speeds.items())),
             measurement=self.measurements.get(self.generation_running),
             switch_cost_s=self._last_pause_s,
@@ -385,7 +383,7 @@ class JobController:
         self.take_in()
         if phase != "prepare":
             return None
-        aborts = self._apply(js.Watch(time.monotonic(), tuple(sorted(self._misses.items()))))
+        aborts = self._apply(js.Watch(time.monotonic()))
         return aborts[0].why if aborts else None
 
     def poll(self, *, judge: bool = True) -> Progress:

@@ -11,6 +11,8 @@ What it owns:
 
 - **who takes part**: the devices with an agent, preemption notices and their deadlines,
   devices that failed (and why), stragglers left out, the running layout;
+- **the watchdog's verdicts**: Status calls missed in a row (a suspect holds a switch back),
+  and when silence or a refused call makes a device failed (:class:`StatusFailed`);
 - **the switch in flight** (its devices, target and reason), and the leavers that exited
   during it, which count as failures only if it fails;
 - **layout requests and their answers**: pending, waiting for capacity, applied, superseded,
@@ -97,6 +99,11 @@ class JobState:
     exits: tuple[tuple[int, str], ...] = ()
     """Leavers of the switch in flight that exited (a failure only if the switch fails)."""
     requests: tuple[LayoutRequest, ...] = ()
+    answered: tuple[tuple[int, float], ...] = ()
+    """(device, monotonic time of its last answered Status, or of its coming up): the
+    watchdog's clock."""
+    misses: tuple[tuple[int, int], ...] = ()
+    """(device, Status calls it missed in a row): a suspect, no switch starts with it."""
 
     @property
     def doomed(self) -> dict[int, float]:
@@ -131,6 +138,29 @@ class Progressed:
     """The executor read the job's progress: it is at ``step``."""
 
     step: int
+
+
+@dataclass(frozen=True)
+class StatusAnswered:
+    """``device`` answered its Status call at ``at`` (monotonic)."""
+
+    device: int
+    at: float
+
+
+@dataclass(frozen=True)
+class StatusFailed:
+    """``device``'s Status call failed at ``at``: it ran out of time (``slow``: the agent may
+    be busy) or was refused (``error``: the process is gone). ``judge``: whether a verdict may
+    follow (not while a switch runs, which watches its devices itself); ``watchdog_s``: how
+    long a device may stay silent (spec.recovery.timeouts)."""
+
+    device: int
+    at: float
+    slow: bool
+    error: str = ""
+    judge: bool = True
+    watchdog_s: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -205,7 +235,6 @@ class Tick:
     interrupted_since: float | None = None
     recover_in_memory: bool = True
     wait_below_minimum: bool = False
-    misses: tuple[tuple[int, int], ...] = ()
     speeds: tuple[tuple[int, float], ...] = ()
     measurement: Measurement | None = None
     switch_cost_s: float = 1.0
@@ -215,14 +244,13 @@ class Tick:
 
 @dataclass(frozen=True)
 class Watch:
-    """A Prepare is in flight: is its target still right? (``misses``: the watchdog's.)"""
+    """A Prepare is in flight: is its target still right?"""
 
     now: float
-    misses: tuple[tuple[int, int], ...] = ()
 
 
-Event = Union[ev.Event, Progressed, SwitchBegan, SwitchEnded, Committed, Adopted, Reconciled,
-              Restarted, LeftOut, Tick, Watch]
+Event = Union[ev.Event, Progressed, StatusAnswered, StatusFailed, SwitchBegan, SwitchEnded,
+              Committed, Adopted, Reconciled, Restarted, LeftOut, Tick, Watch]
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -289,7 +317,7 @@ def view(s: JobState, t: Tick) -> rules.View:
     req = s.pending_request
     return rules.View(
         now=t.now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
-        failed=s.failed, misses=dict(t.misses), step=s.step, finished=t.finished,
+        failed=s.failed, misses=dict(s.misses), step=s.step, finished=t.finished,
         last_step_at=t.last_step_at, give_up_s=t.give_up_s,
         interrupted_since=t.interrupted_since, recover_in_memory=t.recover_in_memory,
         request=rules.Request(req.layout) if req is not None else None,
@@ -302,6 +330,16 @@ def _workers(s: JobState, out: list) -> None:
     out.append(Workers(len(s.usable)))
 
 
+def _put(pairs: tuple, key, value=None) -> tuple:
+    """``pairs`` (sorted (key, value) tuples) with ``key`` set to ``value`` (None: removed)."""
+    d = dict(pairs)
+    if value is None:
+        d.pop(key, None)
+    else:
+        d[key] = value
+    return tuple(sorted(d.items()))
+
+
 def _device_up(s: JobState, e: ev.DeviceUp, out: list) -> JobState:
     s = replace(s, agents=s.agents | {e.device})
     _workers(s, out)
@@ -309,8 +347,7 @@ def _device_up(s: JobState, e: ev.DeviceUp, out: list) -> JobState:
 
 
 def _notice(s: JobState, e: ev.Notice, out: list) -> JobState:
-    doomed = {**s.doomed, e.device: e.at + e.seconds}
-    s = replace(s, deadlines=tuple(sorted(doomed.items())))
+    s = replace(s, deadlines=_put(s.deadlines, e.device, e.at + e.seconds))
     _workers(s, out)
     return s
 
@@ -318,9 +355,9 @@ def _notice(s: JobState, e: ev.Notice, out: list) -> JobState:
 def _device_left(s: JobState, e: ev.DeviceLeft, out: list) -> JobState:
     if e.device in s.agents:
         out.append(Close(e.device, later=s.flight is not None))
-    doomed = s.doomed
-    doomed.pop(e.device, None)
-    s = replace(s, agents=s.agents - {e.device}, deadlines=tuple(sorted(doomed.items())))
+    d = e.device
+    s = replace(s, agents=s.agents - {d}, deadlines=_put(s.deadlines, d),
+                answered=_put(s.answered, d), misses=_put(s.misses, d))
     _workers(s, out)
     return s
 
@@ -385,6 +422,26 @@ def _spec_edited(s: JobState, e: ev.SpecEdited, out: list) -> JobState:
             if req.open:
                 s = _answer(s, req, "superseded", "withdrawn: parallelism.mode is auto again",
                             out)
+    return s
+
+
+def _status_answered(s: JobState, e: StatusAnswered, out: list) -> JobState:
+    return replace(s, answered=_put(s.answered, e.device, e.at), misses=_put(s.misses, e.device))
+
+
+def _status_failed(s: JobState, e: StatusFailed, out: list) -> JobState:
+    # The watchdog: a call that ran out of time is a miss (a suspect); silent for the
+    # watchdog's time, or refused, the device failed (:func:`.decide.after_status_error`).
+    d = e.device
+    if e.slow:
+        s = replace(s, misses=_put(s.misses, d, dict(s.misses).get(d, 0) + 1))
+    since = dict(s.answered).get(d)
+    if since is None:
+        since, s = e.at, replace(s, answered=_put(s.answered, d, e.at))
+    why = rules.after_status_error(slow=e.slow, silent_s=e.at - since, watchdog_s=e.watchdog_s)
+    if e.judge and why is not None:
+        return _device_failed(s, ev.DeviceFailed(d, why if e.slow else f"{why}: {e.error}"),
+                              out)
     return s
 
 
@@ -473,7 +530,7 @@ def _watch(s: JobState, w: Watch, out: list) -> JobState:
     if s.flight is None:
         return s
     v = rules.View(now=w.now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
-                   failed=s.failed, misses=dict(w.misses),
+                   failed=s.failed, misses=dict(s.misses),
                    request=rules.Request(s.pending_request.layout)
                    if s.pending_request is not None else None)
     why = rules.superseded(v, s.flight, present=s.agents)
@@ -485,7 +542,9 @@ def _watch(s: JobState, w: Watch, out: list) -> JobState:
 _HANDLERS = (
     (ev.DeviceUp, _device_up), (ev.Notice, _notice), (ev.DeviceLeft, _device_left),
     (ev.DeviceFailed, _device_failed), (ev.LayoutRequested, _requested),
-    (ev.SpecEdited, _spec_edited), (Progressed, _progressed), (SwitchBegan, _switch_began),
-    (SwitchEnded, _switch_ended), (Committed, _committed), (Adopted, _adopted),
-    (Reconciled, _reconciled), (Restarted, _restarted), (LeftOut, _left_out), (Tick, _tick), (Watch, _watch),
+    (ev.SpecEdited, _spec_edited), (Progressed, _progressed),
+    (StatusAnswered, _status_answered), (StatusFailed, _status_failed),
+    (SwitchBegan, _switch_began), (SwitchEnded, _switch_ended), (Committed, _committed),
+    (Adopted, _adopted), (Reconciled, _reconciled), (Restarted, _restarted),
+    (LeftOut, _left_out), (Tick, _tick), (Watch, _watch),
 )

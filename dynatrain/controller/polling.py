@@ -21,6 +21,7 @@ from dynatrain.agent.v1 import agent_pb2 as pb
 
 from . import decide
 from . import inbox as ev
+from . import jobstate as js
 from .errors import JobFailed
 from .progress import Progress
 
@@ -48,17 +49,12 @@ def poll(ctl: JobController, *, judge: bool = True) -> Progress:
             st = ctl.clients[d].status(since_step=ctl._seen.get(d, 0),
                                        timeout_s=ctl.timeouts.status_s)
         except AgentCallError as e:
-            slow = e.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            if slow:
-                ctl._misses[d] = ctl._misses.get(d, 0) + 1
-            silent = now - ctl._last_answer.setdefault(d, now)
-            why = decide.after_status_error(slow=slow, silent_s=silent,
-                                            watchdog_s=ctl.timeouts.watchdog_s)
-            if judge and why is not None:
-                ctl._apply(ev.DeviceFailed(d, why if slow else f"{why}: {e}"))
+            # The watchdog's verdict is the job state's (:class:`.jobstate.StatusFailed`).
+            ctl._apply(js.StatusFailed(d, now, slow=e.code == grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       error=str(e), judge=judge,
+                                       watchdog_s=ctl.timeouts.watchdog_s))
             continue
-        ctl._last_answer[d] = time.monotonic()
-        ctl._misses.pop(d, None)
+        ctl._apply(js.StatusAnswered(d, time.monotonic()))
         if st.leaving and d not in ctl.doomed and decide.acts_on_notice(ctl.job):
             # Told to leave (SIGTERM with a grace period): a notice from the worker itself
             # (spec.preemptionPolicy Ignore: it is lost at its deadline, and recovered).

@@ -117,6 +117,39 @@ def test_something_else_is_refused():
         js.decide(running(), ("notice", 1, 30.0))
 
 
+# -- the watchdog --------------------------------------------------------------------------------
+def status_failed(device, at, slow=True, judge=True):
+    return js.StatusFailed(device, at, slow=slow, error="UNAVAILABLE: connection refused",
+                           judge=judge, watchdog_s=4.0)
+
+
+@pytest.mark.parametrize("case, events, misses, failed", [
+    ("a slow call is a miss, not a failure", [js.StatusAnswered(1, 10.0),
+                                              status_failed(1, 11.0)], {1: 1}, {}),
+    ("misses count in a row", [js.StatusAnswered(1, 10.0), status_failed(1, 11.0),
+                               status_failed(1, 12.0)], {1: 2}, {}),
+    ("an answer clears them", [status_failed(1, 11.0), js.StatusAnswered(1, 12.0)], {}, {}),
+    ("silent for the watchdog's time: hung", [js.StatusAnswered(1, 10.0),
+                                              status_failed(1, 14.5)],
+     {}, {1: "hung: no answer to Status for 4.5 s (watchdog 4 s)"}),
+    ("refused: gone at once", [js.StatusAnswered(1, 10.0), status_failed(1, 10.5, slow=False)],
+     {}, {1: "stopped answering: UNAVAILABLE: connection refused"}),
+    ("no verdict while a switch watches", [js.StatusAnswered(1, 10.0),
+                                           status_failed(1, 20.0, judge=False),
+                                           status_failed(1, 21.0, slow=False, judge=False)],
+     {1: 1}, {}),
+    ("the clock starts at the first call when none answered", [status_failed(1, 50.0),
+                                                              status_failed(1, 53.0)],
+     {1: 2}, {}),
+])
+def test_the_watchdog(case, events, misses, failed):
+    s, _ = js.decide_all(running(), events)
+    assert dict(s.misses) == misses, case
+    assert dict(s.lost) == failed and set(s.failed) == set(failed), case
+    if failed:                                   # a failed member is gone, its clock too
+        assert not set(failed) & s.agents and not set(failed) & dict(s.answered).keys()
+
+
 # -- requests and their answers ------------------------------------------------------------------
 def answers(acts) -> list[tuple[str, str]]:
     return [(a.request.state, a.request.answer) for a in acts if isinstance(a, Answered)]
@@ -172,7 +205,9 @@ def test_a_finished_job_refuses_every_open_request_saying_so():
     ("a notice on a member: switch it out", [ev.Notice(2, 30.0, at=0.0)], {}, ["Switch"]),
     ("a join: scale up", [ev.DeviceUp(3, None)], {}, ["Switch"]),
     ("stalled past give-up", [], {"last_step_at": -1000.0}, ["GiveUp"]),
-    ("a suspect waits for the watchdog", [ev.DeviceUp(3, None)], {"misses": ((1, 1),)}, []),
+    ("a suspect waits for the watchdog", [ev.DeviceUp(3, None), js.StatusAnswered(1, 98.0),
+                                          js.StatusFailed(1, 99.0, slow=True, watchdog_s=4.0)],
+     {}, []),
 ])
 def test_a_tick_returns_what_the_rules_decide(case, events, tick_kw, want):
     s, _ = js.decide_all(running(), events)
