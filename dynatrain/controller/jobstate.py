@@ -18,8 +18,9 @@ What it owns:
 - **layout requests and their answers**: pending, waiting for capacity, applied, superseded,
   refused, and the spec the job goes back to when one is refused or withdrawn;
 - **the decisions**: at a :class:`Tick`, :func:`.decide.next_action` over the state and the
-  executor's facts (progress, the watchdog's misses, measurements); at a :class:`Watch`
-  while a Prepare is in flight, :func:`.decide.superseded`.
+  executor's facts (progress, measurements); where a recovery places the job
+  (:class:`PlaceRecovery`); at a :class:`Watch` while a Prepare is in flight,
+  :func:`.decide.superseded`.
 
 The events are the front ends' (:mod:`.inbox`: a device up, a notice, a device left or
 failed, a spec edit, a layout request) and the executor's own: what its actions came to (a
@@ -46,6 +47,7 @@ from dynatrain.vps.layout import Layout
 
 from . import decide as rules
 from . import inbox as ev
+from .costmodel import SolverError
 from .measured import Measurement
 from .policy import Policy
 
@@ -243,6 +245,15 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class PlaceRecovery:
+    """A recovery starts (after the executor asked the survivors which generation they run):
+    where does the job go, over the devices left?"""
+
+    policy: Policy = field(compare=False)
+    profile: DeviceProfile
+
+
+@dataclass(frozen=True)
 class Watch:
     """A Prepare is in flight: is its target still right?"""
 
@@ -250,7 +261,7 @@ class Watch:
 
 
 Event = Union[ev.Event, Progressed, StatusAnswered, StatusFailed, SwitchBegan, SwitchEnded,
-              Committed, Adopted, Reconciled, Restarted, LeftOut, Tick, Watch]
+              Committed, Adopted, Reconciled, Restarted, LeftOut, Tick, PlaceRecovery, Watch]
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -283,13 +294,21 @@ class Workers:
 
 
 @dataclass(frozen=True)
+class Place:
+    """Recover the running layout, without its ``failed`` members, to ``layout``."""
+
+    layout: Layout
+    failed: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Abort:
     """Abort the Prepare in flight: a newer signal made its target wrong."""
 
     why: str
 
 
-Action = Union[Close, Log, Answered, Workers, Abort, rules.Action]
+Action = Union[Close, Log, Answered, Workers, Place, Abort, rules.Action]
 
 
 # -- the reducer ---------------------------------------------------------------------------------
@@ -526,6 +545,21 @@ def _tick(s: JobState, t: Tick, out: list) -> JobState:
     return s
 
 
+def _place_recovery(s: JobState, e: PlaceRecovery, out: list) -> JobState:
+    # The policy over the devices left: the failed members and the noticed devices are
+    # excluded; nothing better than the running layout without them is kept as it is.
+    failed = tuple(sorted(s.failed & set(s.members)))
+    try:
+        d = e.policy.decide(s.job, e.profile, s.layout, list(s.usable),
+                            set(s.doomed) | set(failed), s.step)
+    except SolverError as err:
+        out.append(rules.GiveUp(f"devices {list(failed)} failed and no layout fits the "
+                                f"{len(s.usable)} devices left: {err}"))
+        return s
+    out.append(Place(d.layout if d is not None else s.layout, failed))
+    return s
+
+
 def _watch(s: JobState, w: Watch, out: list) -> JobState:
     if s.flight is None:
         return s
@@ -546,5 +580,5 @@ _HANDLERS = (
     (StatusAnswered, _status_answered), (StatusFailed, _status_failed),
     (SwitchBegan, _switch_began), (SwitchEnded, _switch_ended), (Committed, _committed),
     (Adopted, _adopted), (Reconciled, _reconciled), (Restarted, _restarted),
-    (LeftOut, _left_out), (Tick, _tick), (Watch, _watch),
+    (LeftOut, _left_out), (Tick, _tick), (PlaceRecovery, _place_recovery), (Watch, _watch),
 )

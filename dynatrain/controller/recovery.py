@@ -18,8 +18,7 @@ from dynatrain.agent.client import AgentCallError
 from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.vps.layout import Layout
 
-from .costmodel import SolverError
-from .decide import choose_restore
+from .decide import GiveUp, choose_restore
 from . import inbox as ev
 from . import jobstate as js
 from .errors import JobFailed, layout_text as _text
@@ -40,15 +39,12 @@ def recover(ctl: JobController) -> SwitchRecord | None:
         ctl.metrics.set_layout(ctl.layout)
         ctl.metrics.set_generation(ctl.generation_running)
         return None                    # the survivors train on: nothing to recover
-    old, failed = ctl.layout, tuple(sorted(ctl.failed & set(ctl.members)))
-    t0 = time.monotonic()
-    try:
-        decision = ctl.policy.decide(ctl.job, ctl.decision_profile, old, ctl.usable,
-                                     set(ctl.doomed) | set(failed), ctl.progress.step)
-    except SolverError as e:
-        raise JobFailed(f"devices {list(failed)} failed and no layout fits the "
-                        f"{len(ctl.usable)} devices left: {e}") from e
-    new = decision.layout if decision is not None else old
+    old, t0 = ctl.layout, time.monotonic()
+    ctl._apply(js.Progressed(ctl.progress.step))
+    (placed,) = ctl._apply(js.PlaceRecovery(ctl.policy, ctl.decision_profile))
+    if isinstance(placed, GiveUp):
+        raise JobFailed(placed.why)
+    new, failed = placed.layout, placed.failed
     ctl._decided("failure", new)
     holdings = {}
     for d in sorted(set(ctl.clients) & (set(old.device_of) | set(new.device_of)

@@ -150,6 +150,25 @@ def test_the_watchdog(case, events, misses, failed):
         assert not set(failed) & s.agents and not set(failed) & dict(s.answered).keys()
 
 
+# -- where a recovery goes ------------------------------------------------------------------------
+def test_a_recovery_is_placed_over_the_devices_left_without_the_failed_or_noticed():
+    s, _ = js.decide_all(running((0, 1, 2, 3), parse_layout("dp=4").with_devices([0, 1, 2, 3])),
+                         [ev.DeviceFailed(1, "killed"), ev.Notice(3, 30.0, at=0.0)])
+    _, acts = js.decide(s, js.PlaceRecovery(Policy(margin=100.0), PROFILE))
+    (placed,) = acts
+    assert placed.failed == (1,) and set(placed.layout.device_of) == {0, 2}
+
+
+def test_a_recovery_with_no_layout_left_gives_up_saying_why():
+    two = parse_layout("dp=2").with_devices([0, 1])
+    s, _ = js.decide_all(running((0, 1), two, job=replace(JOB, min_workers=2)),
+                         [ev.DeviceFailed(1, "killed")])
+    _, acts = js.decide(s, js.PlaceRecovery(Policy(margin=100.0), PROFILE))
+    (give_up,) = acts
+    assert isinstance(give_up, rules.GiveUp)
+    assert give_up.why.startswith("devices [1] failed and no layout fits the 1 devices left")
+
+
 # -- requests and their answers ------------------------------------------------------------------
 def answers(acts) -> list[tuple[str, str]]:
     return [(a.request.state, a.request.answer) for a in acts if isinstance(a, Answered)]
@@ -313,13 +332,12 @@ class Replay:
             (a,) = todo
             s = self.state
             if isinstance(a, rules.Recover):     # recovery.recover: over the survivors
-                d = self.policy.decide(s.job, PROFILE, s.layout, list(s.usable),
-                                       set(s.doomed) | set(s.failed), step)
-                d = d or rules.Decision(s.layout.with_devices(
-                    [x for x in s.layout.device_of if x not in s.failed]), "failure", None)
-                self.apply(SwitchBegan(frozenset(s.members) | frozenset(d.layout.device_of),
-                                       d.layout, "failure"))
-                self.commit(step, replace(d, reason="failure"), recovered=True)
+                (placed,) = self.apply(js.PlaceRecovery(self.policy, PROFILE))
+                assert isinstance(placed, js.Place), (step, placed)
+                self.apply(SwitchBegan(frozenset(s.members) | frozenset(placed.layout.device_of),
+                                       placed.layout, "failure"))
+                self.commit(step, rules.Decision(placed.layout, "failure", None),
+                            recovered=True)
                 continue
             involved = frozenset(s.members) | frozenset(a.decision.layout.device_of)
             self.apply(SwitchBegan(involved, a.decision.layout, a.decision.reason))
