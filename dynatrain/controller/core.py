@@ -465,10 +465,7 @@ class JobController:
         """The node map to plan a switch between ``layouts`` on (:mod:`dynatrain.vps.topology`):
         the real nodes when every device of them has a known one, else ``devices_per_node``
         (a partial map would count each unknown device as a node of its own)."""
-        devices = {d for layout in layouts for d in layout.device_of}
-        if devices and devices <= self.device_nodes.keys():
-            return {d: self.device_nodes[d] for d in sorted(devices)}
-        return self.devices_per_node
+        return decide.node_map(self.device_nodes, self.devices_per_node, *layouts)
 
     def _infer_unreported_reads(self, step: int) -> None:
         """The restored state is the result of every step up to ``step``, each of which

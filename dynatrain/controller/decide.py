@@ -16,7 +16,8 @@ network and no process of its own:
   becomes a live switch, by ``spec.preemptionPolicy`` (the operator and the controller ask);
 - :func:`exit_is_failure`: whether a worker that exited, or whose pod is gone, failed (the
   local runner and the operator ask);
-- :func:`choose_restore`: where a recovery restores from (which step, which mirrors);
+- :func:`choose_restore`, :func:`previous_restore`: where a recovery restores from (which
+  step, which mirrors; the running generation, or the one before it);
 - :func:`rebalance` (with :func:`.mixed.balanced_stages`): when the measured pipeline stages
   are uneven (:mod:`.measured`; an MoE stage by its measured routing, :mod:`.routing`), move
   layers between them, live (reason ``rebalance``), each layer priced by the cost model's
@@ -402,3 +403,51 @@ def choose_restore(model, old: Layout, new: Layout, failed: tuple[int, ...], hol
             continue
         return step, proxies
     return None
+
+
+def node_map(device_nodes: dict[int, str], devices_per_node: int, *layouts: Layout
+             ) -> dict[int, str] | int:
+    """The node map to plan a switch between ``layouts`` on (:mod:`dynatrain.vps.topology`):
+    the real nodes when every device of them has a known one (``device_nodes``), else
+    ``devices_per_node`` (a partial map would count each unknown device as a node of its
+    own)."""
+    devices = {d for layout in layouts for d in layout.device_of}
+    if devices and devices <= device_nodes.keys():
+        return {d: device_nodes[d] for d in sorted(devices)}
+    return devices_per_node
+
+
+def previous_restore(model, new: Layout, holdings: dict, nodes
+                     ) -> tuple[Layout, tuple[int, ...], tuple[int, dict[int, int]]] | None:
+    """Recovery from the generation before the running one, whose snapshots its members
+    keep for two steps after a planned switch (and a member whose switch out of it failed
+    still holds as its own): (its layout, its devices that are gone, (step, proxies)), or
+    None. The way back when the running generation holds no whole copy yet (a member that
+    just joined and has not mirrored its state, a new stage). ``nodes(*layouts)``: the node
+    map to plan on (:func:`node_map`)."""
+    from types import SimpleNamespace
+
+    from dynatrain.vps.layout import parse_layout
+
+    kept = {d: st for d, st in holdings.items() if st.previous_generation}
+    if not kept:
+        return None
+    g = max(st.previous_generation for st in kept.values())
+    lead = next(st for st in kept.values() if st.previous_generation == g)
+    prev = parse_layout(lead.previous_layout).with_devices(lead.previous_devices)
+    held = {d: SimpleNamespace(snapshot_steps=list(st.previous_snapshot_steps),
+                               mirror_of=st.previous_mirror_of,
+                               mirror_steps=list(st.previous_mirror_steps))
+            for d, st in kept.items() if st.previous_generation == g}
+    for d, st in holdings.items():
+        # A member whose own switch out of generation g failed (e.g. in the mirror exchange
+        # with a joiner that died as its part ended) still runs g: its snapshots are g's, and
+        # the worker restores from them for g's layout (WorkerControl.redundancy_for).
+        if d not in held and st.generation == g and st.layout == lead.previous_layout \
+                and tuple(st.devices) == tuple(lead.previous_devices):
+            held[d] = SimpleNamespace(snapshot_steps=list(st.snapshot_steps),
+                                      mirror_of=st.mirror_of,
+                                      mirror_steps=list(st.mirror_steps))
+    dead = tuple(sorted(d for d in prev.device_of if d not in held))
+    choice = choose_restore(model, prev, new, dead, held, devices_per_node=nodes(prev, new))
+    return (prev, dead, choice) if choice is not None else None

@@ -19,8 +19,8 @@ What it owns:
   refused, and the spec the job goes back to when one is refused or withdrawn;
 - **the decisions**: at a :class:`Tick`, :func:`.decide.next_action` over the state and the
   executor's facts (progress, measurements); where a recovery places the job
-  (:class:`PlaceRecovery`); at a :class:`Watch` while a Prepare is in flight,
-  :func:`.decide.superseded`.
+  (:class:`PlaceRecovery`) and what it restores from (:class:`Holdings`); at a
+  :class:`Watch` while a Prepare is in flight, :func:`.decide.superseded`.
 
 The events are the front ends' (:mod:`.inbox`: a device up, a notice, a device left or
 failed, a spec edit, a layout request) and the executor's own: what its actions came to (a
@@ -44,6 +44,7 @@ from typing import Union
 from dynatrain.spec.hardware import DeviceProfile
 from dynatrain.spec.job import JobSpec
 from dynatrain.vps.layout import Layout
+from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
 from . import decide as rules
 from . import inbox as ev
@@ -254,6 +255,19 @@ class PlaceRecovery:
 
 
 @dataclass(frozen=True)
+class Holdings:
+    """The recovery to ``target`` without ``failed`` asked the survivors what they hold
+    (their Status: snapshots, mirrors, the previous generation's, checkpoints): where does it
+    restore from? ``device_nodes``, ``devices_per_node``: the node map to plan on."""
+
+    target: Layout
+    failed: tuple[int, ...]
+    holdings: dict = field(compare=False)
+    device_nodes: tuple[tuple[int, str], ...] = ()
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE
+
+
+@dataclass(frozen=True)
 class Watch:
     """A Prepare is in flight: is its target still right?"""
 
@@ -261,7 +275,8 @@ class Watch:
 
 
 Event = Union[ev.Event, Progressed, StatusAnswered, StatusFailed, SwitchBegan, SwitchEnded,
-              Committed, Adopted, Reconciled, Restarted, LeftOut, Tick, PlaceRecovery, Watch]
+              Committed, Adopted, Reconciled, Restarted, LeftOut, Tick, PlaceRecovery,
+              Holdings, Watch]
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -302,13 +317,35 @@ class Place:
 
 
 @dataclass(frozen=True)
+class RestoreFrom:
+    """Restore ``step`` of ``start`` in memory, the state of ``dead`` from the mirrors that
+    ``proxies`` (dead device -> the one holding its mirror) hold; ``start`` is the running
+    layout, or the generation before it (``earlier`` says so, for the log)."""
+
+    start: Layout
+    dead: tuple[int, ...]
+    step: int
+    proxies: tuple[tuple[int, int], ...] = ()
+    earlier: str = ""
+
+
+@dataclass(frozen=True)
+class FromCheckpoint:
+    """No copy in memory survives: restart the target from the newest checkpoint."""
+
+    path: str
+    step: int
+
+
+@dataclass(frozen=True)
 class Abort:
     """Abort the Prepare in flight: a newer signal made its target wrong."""
 
     why: str
 
 
-Action = Union[Close, Log, Answered, Workers, Place, Abort, rules.Action]
+Action = Union[Close, Log, Answered, Workers, Place, RestoreFrom, FromCheckpoint, Abort,
+               rules.Action]
 
 
 # -- the reducer ---------------------------------------------------------------------------------
@@ -560,6 +597,40 @@ def _place_recovery(s: JobState, e: PlaceRecovery, out: list) -> JobState:
     return s
 
 
+def _holdings(s: JobState, e: Holdings, out: list) -> JobState:
+    # The newest step every survivor of the running generation holds whole (the failed
+    # devices' state from their buddies' mirrors); else the generation before it; else the
+    # newest checkpoint any survivor wrote; else nothing is left to train on.
+    old, new, failed = s.layout, e.target, e.failed
+
+    def nodes(*layouts):
+        return rules.node_map(dict(e.device_nodes), e.devices_per_node, *layouts)
+
+    choice = rules.choose_restore(s.job.model, old, new, failed, e.holdings,
+                                  devices_per_node=nodes(old, new))
+    if choice is not None:
+        out.append(RestoreFrom(old, failed, choice[0], tuple(sorted(choice[1].items()))))
+        return s
+    found = rules.previous_restore(s.job.model, new, e.holdings, nodes)
+    if found is not None:
+        prev, dead, (step, proxies) = found
+        out.append(RestoreFrom(prev, dead, step, tuple(sorted(proxies.items())), earlier=(
+            f" of the generation before the last switch ({prev.to_text()} on "
+            f"{list(prev.device_of)}; the running one has no whole copy yet)")))
+        return s
+    ckpt = max(((st.checkpoint_step, st.checkpoint) for st in e.holdings.values()
+                if st.checkpoint), default=None)
+    if ckpt is None:
+        out.append(rules.GiveUp(
+            f"devices {list(failed)} failed and no copy of their state survives in memory "
+            "(their buddies are gone too, or spec.recovery.mirror is off), and there is no "
+            "checkpoint to fall back on (set spec.checkpoint.intervalSteps); the job stops "
+            f"at step {s.step}"))
+    else:
+        out.append(FromCheckpoint(ckpt[1], ckpt[0]))
+    return s
+
+
 def _watch(s: JobState, w: Watch, out: list) -> JobState:
     if s.flight is None:
         return s
@@ -580,5 +651,6 @@ _HANDLERS = (
     (StatusAnswered, _status_answered), (StatusFailed, _status_failed),
     (SwitchBegan, _switch_began), (SwitchEnded, _switch_ended), (Committed, _committed),
     (Adopted, _adopted), (Reconciled, _reconciled), (Restarted, _restarted),
-    (LeftOut, _left_out), (Tick, _tick), (PlaceRecovery, _place_recovery), (Watch, _watch),
+    (LeftOut, _left_out), (Tick, _tick), (PlaceRecovery, _place_recovery),
+    (Holdings, _holdings), (Watch, _watch),
 )

@@ -1,12 +1,13 @@
 """Recovery from unplanned failures: bringing a job back after devices died without notice.
 
 :func:`recover` (a tick's :class:`.decide.Recover`) first checks whether the survivors already
-run a newer generation (:func:`reconcile`), then asks the policy for a layout over the devices
-left, picks the newest step whose state survives in memory (every survivor's snapshot, the
-failed devices' unique state from their buddies' mirrors; :func:`.decide.choose_restore`), or
-of the generation before the last switch (:func:`previous_restore`), or else the newest
-checkpoint, and runs the restoring switch. These functions work on a
-:class:`.core.JobController`'s state and call its switch machinery.
+run a newer generation (:func:`reconcile`), then asks the job's state where the job goes over
+the devices left (:class:`.jobstate.PlaceRecovery`), asks the survivors what they hold and
+the job's state what to restore from (:class:`.jobstate.Holdings`: the newest step whose state
+survives in memory, every survivor's snapshot and the failed devices' unique state from their
+buddies' mirrors; or of the generation before the last switch; or else the newest
+checkpoint), and runs the restoring switch. These functions are the executor's: they do the
+I/O and call the controller's switch machinery; the choices are :func:`.jobstate.decide`'s.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from typing import TYPE_CHECKING
 
 from dynatrain.agent.client import AgentCallError
 from dynatrain.agent.v1 import agent_pb2 as pb
-from dynatrain.vps.layout import Layout
 
-from .decide import GiveUp, choose_restore
+from .decide import GiveUp
 from . import inbox as ev
 from . import jobstate as js
 from .errors import JobFailed, layout_text as _text
@@ -59,38 +59,28 @@ def recover(ctl: JobController) -> SwitchRecord | None:
             return None
         if d in old.device_of:
             ctl._ingest(d, holdings[d])        # steps reported since the last poll
-    choice = choose_restore(ctl.job.model, old, new, failed, holdings,
-                            devices_per_node=ctl._nodes_for(old, new))
-    start, dead, earlier = old, failed, ""
-    if choice is None:
-        found = previous_restore(ctl, new, holdings)
-        if found is not None:
-            start, dead, choice = found
-            earlier = (f" of the generation before the last switch ({start.to_text()} on "
-                       f"{list(start.device_of)}; the running one has no whole copy yet)")
+    ctl._apply(js.Progressed(ctl.progress.step))
+    (where,) = ctl._apply(js.Holdings(new, failed, holdings,
+                                      tuple(sorted(ctl.device_nodes.items())),
+                                      ctl.devices_per_node))
+    if isinstance(where, GiveUp):
+        raise JobFailed(where.why)
     lost_from = ctl.progress.step
     ctl.generation += 1
-    if choice is not None:
-        restore = Restore(choice[0], dead, choice[1])
-        what = (f"restoring step {restore.step}{earlier} from memory"
+    if isinstance(where, js.RestoreFrom):
+        start, dead = where.start, where.dead
+        restore = Restore(where.step, dead, dict(where.proxies))
+        what = (f"restoring step {restore.step}{where.earlier} from memory"
                 + (f" (mirrors of {sorted(restore.proxies)} on "
                    f"{[restore.proxies[k] for k in sorted(restore.proxies)]})"
                    if restore.proxies else ""))
         ctl.log(f"recovering: {_text(old)} -> {new.to_text()}, {what}")
         kw = dict(restore=restore)
     else:
-        ckpt = max(((st.checkpoint_step, st.checkpoint) for st in holdings.values()
-                    if st.checkpoint), default=None)
-        if ckpt is None:
-            raise JobFailed(
-                f"devices {list(failed)} failed and no copy of their state survives in "
-                f"memory (their buddies are gone too, or spec.recovery.mirror is off), and "
-                f"there is no checkpoint to fall back on (set spec.checkpoint."
-                f"intervalSteps); the job stops at step {ctl.progress.step}")
         ctl.log(f"recovering: no in-memory copy of the state of {list(failed)} survives; "
-                f"restarting {new.to_text()} from checkpoint {ckpt[1]} (step {ckpt[0]})")
-        kw = dict(checkpoint=ckpt[1])
-        start = None
+                f"restarting {new.to_text()} from checkpoint {where.path} (step {where.step})")
+        kw = dict(checkpoint=where.path)
+        start, dead = None, failed
     involved = (set(start.device_of if start else old.device_of) | set(new.device_of)) \
         - set(dead)
     try:
@@ -109,7 +99,7 @@ def recover(ctl: JobController) -> SwitchRecord | None:
     record.phases["recovery_seconds"] = time.monotonic() - t0
     record.phases["restored_step"] = record.step
     record.phases["lost_steps"] = max(0, lost_from - record.step)
-    record.phases["from_checkpoint"] = 0.0 if choice is not None else 1.0
+    record.phases["from_checkpoint"] = 0.0 if isinstance(where, js.RestoreFrom) else 1.0
     ctl._rewind(record.step)
     ctl._infer_unreported_reads(record.step)
     ctl._after_switch(old, new, record, recovered=True,
@@ -119,41 +109,6 @@ def recover(ctl: JobController) -> SwitchRecord | None:
     ctl.interrupted_since = None
     ctl.recoveries.append(record)
     return record
-
-
-def previous_restore(ctl: JobController, new: Layout, holdings: dict):
-    """Recovery from the generation before the running one, whose snapshots its members
-    keep for two steps after a planned switch (and a member whose switch out of it failed
-    still holds as its own): (its layout, its devices that are gone, (step, proxies)), or
-    None. The way back when the running generation holds no whole copy yet (a member that
-    just joined and has not mirrored its state, a new stage)."""
-    from types import SimpleNamespace
-
-    from dynatrain.vps.layout import parse_layout
-
-    kept = {d: st for d, st in holdings.items() if st.previous_generation}
-    if not kept:
-        return None
-    g = max(st.previous_generation for st in kept.values())
-    lead = next(st for st in kept.values() if st.previous_generation == g)
-    prev = parse_layout(lead.previous_layout).with_devices(lead.previous_devices)
-    held = {d: SimpleNamespace(snapshot_steps=list(st.previous_snapshot_steps),
-                               mirror_of=st.previous_mirror_of,
-                               mirror_steps=list(st.previous_mirror_steps))
-            for d, st in kept.items() if st.previous_generation == g}
-    for d, st in holdings.items():
-        # A member whose own switch out of generation g failed (e.g. in the mirror exchange
-        # with a joiner that died as its part ended) still runs g: its snapshots are g's, and
-        # the worker restores from them for g's layout (WorkerControl.redundancy_for).
-        if d not in held and st.generation == g and st.layout == lead.previous_layout \
-                and tuple(st.devices) == tuple(lead.previous_devices):
-            held[d] = SimpleNamespace(snapshot_steps=list(st.snapshot_steps),
-                                      mirror_of=st.mirror_of,
-                                      mirror_steps=list(st.mirror_steps))
-    dead = tuple(sorted(d for d in prev.device_of if d not in held))
-    choice = choose_restore(ctl.job.model, prev, new, dead, held,
-                            devices_per_node=ctl._nodes_for(prev, new))
-    return (prev, dead, choice) if choice is not None else None
 
 
 def reconcile(ctl: JobController) -> bool:

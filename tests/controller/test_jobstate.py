@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dynatrain.agent.v1 import agent_pb2 as pb
 from dynatrain.bench import overlap
 from dynatrain.controller import decide as rules
 from dynatrain.controller import inbox as ev
@@ -167,6 +168,36 @@ def test_a_recovery_with_no_layout_left_gives_up_saying_why():
     (give_up,) = acts
     assert isinstance(give_up, rules.GiveUp)
     assert give_up.why.startswith("devices [1] failed and no layout fits the 1 devices left")
+
+
+def held(device, steps=(), mirror_of=-1, mirrors=(), checkpoint=("", 0)):
+    """A survivor's Status as a recovery reads it (the agent's own message)."""
+    return pb.StatusResponse(device=device, snapshot_steps=list(steps), mirror_of=mirror_of,
+                             mirror_steps=list(mirrors), previous_mirror_of=-1,
+                             checkpoint=checkpoint[0], checkpoint_step=checkpoint[1])
+
+
+PP2 = parse_layout("pp=2").with_devices([0, 1])      # device 1 holds the only second stage
+
+
+@pytest.mark.parametrize("case, holdings, want", [
+    ("the newest step the survivor holds, the dead stage's from its mirror",
+     {0: held(0, [9, 10], mirror_of=1, mirrors=[9, 10])}, js.RestoreFrom(PP2, (1,), 10, ((1, 0),))),
+    ("a mirror of an older step only: that step",
+     {0: held(0, [9, 10], mirror_of=1, mirrors=[9])}, js.RestoreFrom(PP2, (1,), 9, ((1, 0),))),
+    ("no mirror of the dead stage: the newest checkpoint a survivor wrote",
+     {0: held(0, [9, 10], checkpoint=("/ckpt/8", 8))}, js.FromCheckpoint("/ckpt/8", 8)),
+    ("neither: the job stops, saying why and what to set", {0: held(0, [9, 10])},
+     rules.GiveUp("devices [1] failed and no copy of their state survives in memory (their "
+                  "buddies are gone too, or spec.recovery.mirror is off), and there is no "
+                  "checkpoint to fall back on (set spec.checkpoint.intervalSteps); the job "
+                  "stops at step 10")),
+])
+def test_what_a_recovery_restores_from(case, holdings, want):
+    s, _ = js.decide_all(running((0, 1), PP2), [js.Progressed(10), ev.DeviceFailed(1, "killed")])
+    one = parse_layout("dp=1").with_devices([0])
+    _, acts = js.decide(s, js.Holdings(one, (1,), holdings, devices_per_node=8))
+    assert acts == (want,), case
 
 
 # -- requests and their answers ------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """Where a recovery restores from, as pure choices over the members' Status (no processes):
-:func:`dynatrain.controller.recovery.previous_restore`. The runs that reach these choices are in
+:func:`dynatrain.controller.decide.previous_restore`. The runs that reach these choices are in
 test_overlap.py and test_recovery.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 from dynatrain.agent.v1 import agent_pb2 as pb
-from dynatrain.controller.recovery import previous_restore
+from dynatrain.controller import decide
 from dynatrain.vps.layout import parse_layout
 from dynatrain.vps.presets import PRESETS
 
@@ -16,9 +15,8 @@ OLD = parse_layout("dp=1,tp=1,pp=2").with_devices([0, 1])
 GROWN = parse_layout("dp=1,tp=1,pp=3").with_devices([0, 2, 1])
 
 
-def _ctl():
-    return SimpleNamespace(job=SimpleNamespace(model=PRESETS["gpt-tiny"]),
-                           _nodes_for=lambda *layouts: 8)
+def previous_restore(new, holdings):
+    return decide.previous_restore(PRESETS["gpt-tiny"], new, holdings, lambda *layouts: 8)
 
 
 def _switched(device: int) -> pb.StatusResponse:
@@ -40,7 +38,7 @@ def test_a_member_whose_switch_failed_still_holds_the_previous_generation():
         devices=list(OLD.device_of), snapshot_steps=[3, 4], mirror_of=-1,
         previous_mirror_of=-1)
     holdings = {0: failed_switch, 1: _switched(1)}
-    found = previous_restore(_ctl(), OLD, holdings)
+    found = previous_restore(OLD, holdings)
     assert found is not None
     start, dead, (step, proxies) = found
     assert start.to_text() == OLD.to_text() and list(start.device_of) == [0, 1]
@@ -49,7 +47,7 @@ def test_a_member_whose_switch_failed_still_holds_the_previous_generation():
 
 def test_without_the_members_own_copy_there_is_no_previous_restore():
     # The same, but member 0 is gone: OLD's first stage survives nowhere in memory.
-    assert previous_restore(_ctl(), parse_layout("dp=1").with_devices([1]),
+    assert previous_restore(parse_layout("dp=1").with_devices([1]),
                             {1: _switched(1)}) is None
 
 
@@ -58,4 +56,4 @@ def test_a_member_of_another_generation_does_not_count():
     other = pb.StatusResponse(
         state=State.INTERRUPTED, device=0, generation=3, layout=OLD.to_text(),
         devices=list(OLD.device_of), snapshot_steps=[4], mirror_of=-1, previous_mirror_of=-1)
-    assert previous_restore(_ctl(), OLD, {0: other, 1: _switched(1)}) is None
+    assert previous_restore(OLD, {0: other, 1: _switched(1)}) is None
