@@ -213,8 +213,10 @@ class JobController:
         for a in actions:
             if isinstance(a, js.Close):
                 client = self.clients.pop(a.device, None)
-                if client is not None:
-                    (self._to_close.append if a.later else lambda c: c.close())(client)
+                if client is not None and a.later:
+                    self._to_close.append(client)    # the switch in flight may still call it
+                elif client is not None:
+                    client.close()
             elif isinstance(a, js.Log):
                 self.log(a.text)
             elif isinstance(a, js.Answered):
