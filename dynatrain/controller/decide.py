@@ -367,8 +367,9 @@ def exit_is_failure(*, member: bool, released: bool, code: int | None) -> bool:
     member of the running layout that the front end did not release (a pod it deleted after
     switching it off, a replaced unhealthy pod) and that did not exit 0 (``code`` None: not
     known, as when a pod is gone). A leaver exits 0 once its part of a switch is done, maybe
-    before the controller records the new layout; the controller itself judges an exit seen
-    while a switch is in flight (:meth:`~.core.JobController.fail_device`)."""
+    before the controller records the new layout; the job's state judges an exit seen while a
+    switch is in flight (a :class:`~.inbox.DeviceFailed` taken in by :func:`.jobstate.decide`
+    counts only if the switch fails)."""
     return member and not released and code != 0
 
 
