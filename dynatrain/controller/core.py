@@ -22,11 +22,12 @@ Decide, then execute: the job's state is one frozen value (:attr:`JobController.
 only :func:`.jobstate.decide` changes it, one event at a time (:meth:`JobController._apply`).
 The controller here is its executor: it keeps what is not a decision (the agents' connections,
 progress and its audit, measurements) and does what the reducer returns: close a connection,
-log, answer the front end, run a switch, a recovery or a park. Three roles of the executor live
-beside it as functions of the controller: reading progress, whose Status answers and failures
-go to the watchdog's rules as events (:mod:`.polling`), recovery after devices die without
-notice (:mod:`.recovery`), and taking over a running job after a restart (:mod:`.adopt`). :class:`JobFailed` and
-:class:`SuspendFailed` are defined in :mod:`.errors` and importable from here as before.
+log, answer the front end, run a switch, a recovery or a park. Three roles of the executor
+live beside it as functions of the controller: reading progress, whose Status answers and
+failures go to the watchdog's rules as events (:mod:`.polling`), recovery after devices die
+without notice (:mod:`.recovery`), and taking over a running job after a restart
+(:mod:`.adopt`). :class:`JobFailed` and :class:`SuspendFailed` are defined in :mod:`.errors`
+and importable from here as before.
 """
 
 from __future__ import annotations
@@ -241,11 +242,12 @@ class JobController:
         if events:
             self._apply(js.Progressed(self.progress.step))
         for e in events:
-            if isinstance(e, ev.DeviceUp):       # the connection is the executor's to keep
-                self.clients[e.device] = e.client
+            if not isinstance(e, ev.DeviceUp):
+                self._apply(e)
+                continue
+            self.clients[e.device] = e.client    # the connection is the executor's to keep
             self._apply(e)
-            if isinstance(e, ev.DeviceUp):       # the watchdog's clock starts now
-                self._apply(js.StatusAnswered(e.device, time.monotonic()))
+            self._apply(js.StatusAnswered(e.device, time.monotonic()))   # the watchdog's clock
         return len(events)
 
     def reconnect(self, fresh: dict[int, AgentClient]) -> list[AgentClient]:

@@ -135,16 +135,20 @@ def decide_all(s: JobState, events) -> tuple[JobState, tuple[Action, ...]]:
 
 def view(s: JobState, t: Tick) -> rules.View:
     """The state and a tick's facts as the values :func:`.decide.next_action` reads."""
+    return _view(s, t.now, finished=t.finished, last_step_at=t.last_step_at,
+                 give_up_s=t.give_up_s, interrupted_since=t.interrupted_since,
+                 recover_in_memory=t.recover_in_memory, measurement=t.measurement,
+                 switch_cost_s=t.switch_cost_s, share=t.share, speeds=dict(t.speeds),
+                 measured_steps=dict(t.measured_steps),
+                 wait_below_minimum=t.wait_below_minimum)
+
+
+def _view(s: JobState, now: float, **facts) -> rules.View:
+    """The state's part of a :class:`~.decide.View`, with the executor's ``facts``."""
     req = s.pending_request
-    return rules.View(
-        now=t.now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
-        failed=s.failed, misses=dict(s.misses), step=s.step, finished=t.finished,
-        last_step_at=t.last_step_at, give_up_s=t.give_up_s,
-        interrupted_since=t.interrupted_since, recover_in_memory=t.recover_in_memory,
-        request=rules.Request(req.layout) if req is not None else None,
-        measurement=t.measurement, switch_cost_s=t.switch_cost_s, share=t.share,
-        speeds=dict(t.speeds), measured_steps=dict(t.measured_steps),
-        wait_below_minimum=t.wait_below_minimum)
+    return rules.View(now=now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
+                      failed=s.failed, misses=dict(s.misses), step=s.step,
+                      request=rules.Request(req.layout) if req is not None else None, **facts)
 
 
 def _workers(s: JobState, out: list) -> None:
@@ -315,7 +319,8 @@ def _reconciled(s: JobState, e: Reconciled, out: list) -> JobState:
 
 def _restarted(s: JobState, e: Restarted, out: list) -> JobState:
     out.extend(Close(d) for d in sorted(s.agents))
-    s = replace(s, agents=frozenset(), deadlines=(), failed=frozenset(), layout=None)
+    s = replace(s, agents=frozenset(), deadlines=(), failed=frozenset(), layout=None,
+                answered=(), misses=())        # the watchdog's clocks went with the agents
     _workers(s, out)
     return s
 
@@ -399,11 +404,7 @@ def _holdings(s: JobState, e: Holdings, out: list) -> JobState:
 def _watch(s: JobState, w: Watch, out: list) -> JobState:
     if s.flight is None:
         return s
-    v = rules.View(now=w.now, layout=s.layout, usable=s.usable, doomed=frozenset(s.doomed),
-                   failed=s.failed, misses=dict(s.misses),
-                   request=rules.Request(s.pending_request.layout)
-                   if s.pending_request is not None else None)
-    why = rules.superseded(v, s.flight, present=s.agents)
+    why = rules.superseded(_view(s, w.now), s.flight, present=s.agents)
     if why is not None:
         out.append(Abort(why))
     return s

@@ -101,8 +101,11 @@ def test_a_committed_recovery_clears_the_failed_and_a_restart_clears_everything(
                                 SwitchEnded(True), Committed(two, 12, "failure",
                                                              recovered=True)])
     assert s.layout == two and not s.failed and s.lost == ((2, "killed"),)
+    s, _ = js.decide_all(s, [js.StatusAnswered(0, 20.0), js.StatusFailed(1, 21.0, slow=True)])
+    assert s.misses and s.answered
     s, acts = js.decide(s, js.Restarted())
     assert s.layout is None and not s.agents and kinds(acts) == ["Close", "Close", "Workers"]
+    assert not s.misses and not s.answered       # the watchdog's clocks went with the agents
 
 
 def test_a_reconciled_generation_fails_its_devices_without_an_agent():
