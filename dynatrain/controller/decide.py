@@ -9,8 +9,9 @@ network and no process of its own:
   user's pending layout request;
 - :func:`superseded`: while a Prepare is in flight, whether a newer signal made its target
   wrong (it is then aborted and decided again);
-- :func:`after_status_error`, :data:`SILENT_AFTER_MISSES`: the watchdog's rules for a Status
-  or health call that failed (the same rule inside a switch's Commit, in the orchestrator);
+- :func:`after_status_error`, :func:`stopped_answering`: the watchdog's rules for a Status
+  or health call that failed (the second one also inside a switch's Commit, in the
+  orchestrator);
 - :func:`hung`: members that answer Status but hold the others up;
 - :func:`acts_on_notice`: whether a preemption notice (the cluster's, or a worker's SIGTERM)
   becomes a live switch, by ``spec.preemptionPolicy`` (the operator and the controller ask);
@@ -318,7 +319,7 @@ def superseded(v: View, flight: InFlight, *, present: frozenset[int]) -> str | N
     lost = sorted(d for d in flight.involved if d not in present or d in v.failed)
     if lost:
         return f"device(s) {lost} lost"
-    silent = sorted(d for d in flight.involved if v.misses.get(d, 0) >= SILENT_AFTER_MISSES)
+    silent = sorted(d for d in flight.involved if stopped_answering(v.misses.get(d, 0)))
     if silent:
         return f"device(s) {silent} stopped answering Status"
     doomed = sorted(set(flight.target.device_of) & v.doomed)
@@ -332,6 +333,13 @@ def superseded(v: View, flight: InFlight, *, present: frozenset[int]) -> str | N
 
 
 # -- the watchdog --------------------------------------------------------------------------------
+def stopped_answering(misses: int) -> bool:
+    """Whether a device taking part in a switch has stopped answering: it missed
+    :data:`SILENT_AFTER_MISSES` checks in a row (Status while a Prepare is in flight, the gRPC
+    health check while a Commit is). One miss is a slow answer, not yet a verdict."""
+    return misses >= SILENT_AFTER_MISSES
+
+
 def after_status_error(*, slow: bool, silent_s: float, watchdog_s: float) -> str | None:
     """A member's Status call failed: why it is failed now, or None (a miss, not yet a
     failure). ``slow``: the call ran out of time (the agent may be busy); otherwise it was

@@ -22,7 +22,7 @@ from dynatrain.vps import faults
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
-from .decide import SILENT_AFTER_MISSES
+from .decide import stopped_answering
 from dynatrain.spec.timeouts import Timeouts
 
 
@@ -224,7 +224,7 @@ def _commit_watching(clients, members: list[int], generation: int, timeout_s: fl
                     misses.pop(d, None)
                     continue
                 misses[d] = misses.get(d, 0) + 1
-                if misses[d] >= SILENT_AFTER_MISSES:     # not a slow answer
+                if stopped_answering(misses[d]):
                     raise SwitchFailed(f"device {d} stopped answering during the switch to "
                                        f"generation {generation}", retryable=False)
         out = []

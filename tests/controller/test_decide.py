@@ -196,6 +196,13 @@ def test_after_a_status_error(slow, silent, expected):
     assert decide.after_status_error(slow=slow, silent_s=silent, watchdog_s=8.0) == expected
 
 
+@pytest.mark.parametrize("misses, expected", [(0, False), (1, False), (2, True), (5, True)])
+def test_stopped_answering_takes_two_misses_in_a_row(misses, expected):
+    # One miss is a slow answer; the second in a row is a device that stopped answering, both
+    # for a Prepare in flight (superseded) and inside a Commit (the orchestrator's watch).
+    assert decide.stopped_answering(misses) is expected
+
+
 @pytest.mark.parametrize("waits, stalled, expected", [
     ({0: 5.0, 1: 5.0, 2: 0.1}, 9.0, [2]),       # two wait for the third, which waits for none
     ({0: 5.0, 1: 5.0, 2: 0.1}, 7.0, []),        # not stalled long enough yet
