@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -299,20 +300,24 @@ def _judge(spec: TrialSpec, raw: dict | None, seconds: float, root: Path) -> Tri
 
 
 def _check_states(results: list[TrialResult], specs: list[TrialSpec], root: Path,
-                  timeout_s: float, say) -> None:
-    """Failure-free runs, one per initial layout, keep the states at the restored steps; each
-    recovered trial's restored state must equal them bit for bit."""
+                  timeout_s: float, say, jobs: int = 1) -> None:
+    """Failure-free runs, one per initial layout (``jobs`` at a time), keep the states at the
+    restored steps; each recovered trial's restored state must equal them bit for bit."""
     import torch
 
     want: dict[str, set[int]] = {}
     for r in results:
         if r.outcome == "recovered" and r.kind != "restart":
             want.setdefault(r.layout, set()).add(r.restored_step)
-    for n, (layout, steps) in enumerate(sorted(want.items())):
-        spec = TrialSpec(10_000 + n, "reference", layout, steps=specs[0].steps,
-                         dump_steps=sorted(steps))
-        say(f"reference run under {layout} (steps {sorted(steps)})")
-        raw, _ = _spawn_trial(spec, root, timeout_s)
+    refs = [TrialSpec(10_000 + n, "reference", layout, steps=specs[0].steps,
+                      dump_steps=sorted(steps))
+            for n, (layout, steps) in enumerate(sorted(want.items()))]
+    for spec in refs:
+        say(f"reference run under {spec.layout} (steps {spec.dump_steps})")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        raws = list(pool.map(lambda spec: _spawn_trial(spec, root, timeout_s)[0], refs))
+    for spec, raw in zip(refs, raws):
+        layout = spec.layout
         ref_dir = root / f"trial-{spec.index}-reference" / "dumps"
         for r in results:
             if r.layout != layout or r.outcome != "recovered" or r.kind == "restart":
@@ -339,7 +344,9 @@ def _check_states(results: list[TrialResult], specs: list[TrialSpec], root: Path
 
 def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: int = 3,
                 timeout_s: float = 240.0, keep: str | None = None, say=print,
-                backend: str = "gloo", first: int = 0) -> dict:
+                backend: str = "gloo", first: int = 0, jobs: int = 1) -> dict:
+    """Run the plan's trials (``jobs`` at a time), check every recovered state against the
+    failure-free references, and sum up (the JSON of ``dynatrain bench chaos``)."""
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="dynatrain-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     specs = [replace(s, backend=backend) for s in plan_trials(trials, seed, steps, first)]
@@ -347,14 +354,13 @@ def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: 
     specs += [TrialSpec(first + trials + i, "restart", "dp=2,pp=2", [rng.randrange(4)],
                         at_step=rng.randrange(3, steps - 5), steps=steps, checkpoint_every=1)
               for i in range(restart_trials)]
-    results = []
     t0 = time.monotonic()
-    for spec in specs:
+
+    def trial(spec: TrialSpec) -> TrialResult:
         raw, seconds = _spawn_trial(spec, root, timeout_s, keep=bool(keep))
         r = _judge(spec, raw, seconds, root)
         r.watchdog_killed, r.watchdog_aborted = watchdog_victims(
             root / f"trial-{spec.index}-{spec.kind}" / "run")
-        results.append(r)
         say(f"trial {spec.index:>3} {spec.kind:<8} {spec.layout:<17} kill {spec.victims} at "
             f"step {spec.at_step:>2}: {r.outcome}"
             + (f", restored step {r.restored_step} ({r.restored_from}) -> {r.new_layout}"
@@ -363,7 +369,13 @@ def bench_chaos(trials: int, *, seed: int = 0, steps: int = 16, restart_trials: 
             + (f", watchdog took down {r.watchdog_killed}" if r.watchdog_killed else "")
             + (f", watchdog aborted {r.watchdog_aborted}" if r.watchdog_aborted else "")
             + (f"  [{r.message.splitlines()[0][:160]}]" if r.message else ""))
-    _check_states(results, specs, root, timeout_s, say)
+        return r
+
+    # Trials are independent jobs (their own processes, ports and directories); side by side
+    # they share the machine's cores, which stretches MTTR figures but not the verdicts.
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(trial, specs))
+    _check_states(results, specs, root, timeout_s, say, jobs)
     chaos = [r for r in results if r.kind != "restart"]
     restart = [r.mttr_seconds for r in results if r.kind == "restart" and r.mttr_seconds]
     mttr = [r.mttr_seconds for r in chaos if r.outcome == "recovered" and r.mttr_seconds]

@@ -134,6 +134,10 @@ def _register_chaos(bsub) -> None:
                         "on two backends say, split one plan")
     p.add_argument("--trial-timeout", type=float, default=240.0,
                    help="seconds before a trial counts as hung (default 240)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="trials run N at a time (default 1). Side by side they share the "
+                        "cores, which stretches the MTTR figures but not the verdicts: use "
+                        "1 for figures, more to check recovery sooner")
     p.add_argument("--keep", metavar="DIR", help="keep every trial's logs and dumps in DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--backend", choices=("gloo", "nccl-sim"), default="gloo",
@@ -161,11 +165,13 @@ def run_bench_chaos(args) -> int:
         raise UsageError(f"--restart-trials={args.restart_trials} must be >= 0")
     if args.first_trial < 0:
         raise UsageError(f"--first-trial={args.first_trial} must be >= 0")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs={args.jobs} must be >= 1")
     out = chaos.bench_chaos(args.trials, seed=args.seed, steps=args.steps,
                             restart_trials=args.restart_trials, timeout_s=args.trial_timeout,
                             keep=args.keep, say=(lambda s: print(s, file=sys.stderr, flush=True))
                             if args.json else print, backend=args.backend,
-                            first=args.first_trial)
+                            first=args.first_trial, jobs=args.jobs)
     if args.json:
         print(json.dumps(out))
     else:

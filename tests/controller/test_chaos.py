@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +22,14 @@ NCCL_SIM_TRIALS = 4
 """Trials GLOO_TRIALS .. GLOO_TRIALS+NCCL_SIM_TRIALS-1 of the same plan (--first-trial)."""
 
 
+JOBS = 2
+"""Trials side by side: a trial mostly waits (for a kill to be noticed, a recovery's abort, a
+reference run's steps), so two share 2 cores without changing a verdict."""
+
+
 def bench_chaos(*args: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "dynatrain", "bench", "chaos", "--json",
-                           *args], capture_output=True, text=True, timeout=3000)
+                           "--jobs", str(JOBS), *args], capture_output=True, text=True, timeout=3000)
     print(proc.stderr[-8000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["returncode"] = proc.returncode
