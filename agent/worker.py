@@ -76,13 +76,14 @@ class Worker:
                  metrics: Metrics | None = None, torch_device: torch.device | None = None,
                  checkpoint_dir: str = "", save_hf: str = "",
                  checkpoint_sources: tuple[str, ...] | list[str] = (),
-                 tensorboard_dir: str = "", log_every: int = 0, share_cores: int = 0):
+                 tensorboard_dir: str = "", log_every: int = 0, share_cores: int = 0,
+                 min_step_s: float = 0.0):
         self.control = WorkerControl(job, device, backend=backend, metrics=metrics,
                                      torch_device=torch_device, checkpoint_dir=checkpoint_dir,
                                      checkpoint_sources=checkpoint_sources)
         self.loop = TrainingLoop(self.control, save_hf=save_hf,
                                  tensorboard_dir=tensorboard_dir, log_every=log_every,
-                                 share_cores=share_cores)
+                                 share_cores=share_cores, min_step_s=min_step_s)
 
     def run(self) -> int:
         """Run the training loop on this thread until it ends; the process's exit code."""
@@ -153,6 +154,11 @@ def main(argv=None) -> int:
                              "runner's --device-profile shared): use N // workers threads "
                              "under each layout, reset at every switch (0, the default: "
                              "--threads stays)")
+    parser.add_argument("--min-step-seconds", type=float, default=0.0, metavar="S",
+                        help="a floor on each training step's wall time: a faster step idles "
+                             "the rest (a Prepare, a stop or SIGTERM ends the wait). For "
+                             "workers that stand in for GPUs on a shared CPU, as the dev "
+                             "cluster's --gpu-pods-on-cpu runs them (default 0: none)")
     parser.add_argument("--parent-pid", type=int, default=0,
                         help="exit when this process (the local runner) is gone")
     parser.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S,
@@ -197,6 +203,9 @@ def main(argv=None) -> int:
         faults.slowdown(args.device)                 # a malformed test setting fails here
     except ValueError as e:
         parser.error(str(e))
+    if not 0 <= args.min_step_seconds <= 60:
+        parser.error(f"--min-step-seconds {args.min_step_seconds} is invalid; expected 0 "
+                     "(none) to 60")
     if args.threads < 0 or args.share_cores < 0:
         parser.error(f"--threads {args.threads} / --share-cores {args.share_cores}: expected "
                      "0 (none) or a positive count")
@@ -225,7 +234,7 @@ def main(argv=None) -> int:
                     checkpoint_dir=args.checkpoint_dir, save_hf=args.save_hf,
                     checkpoint_sources=args.checkpoint_source,
                     tensorboard_dir=args.tensorboard, log_every=args.log_every,
-                    share_cores=args.share_cores)
+                    share_cores=args.share_cores, min_step_s=args.min_step_seconds)
     # torch's one-off lazy setup (~1 s) before the agent answers: a joiner that is prepared
     # and committed while still warming up would make every sender wait for it in the switch.
     warm_up()

@@ -58,8 +58,14 @@ class TrainingLoop:
     threads: ``control``, whose :attr:`~WorkerControl.lock` guards that state."""
 
     def __init__(self, control: WorkerControl, *, save_hf: str = "",
-                 tensorboard_dir: str = "", log_every: int = 0, share_cores: int = 0):
+                 tensorboard_dir: str = "", log_every: int = 0, share_cores: int = 0,
+                 min_step_s: float = 0.0):
         self.control = control
+        self.min_step_s = min_step_s
+        """A floor on each step's wall time (0: none): a worker that stands in for a GPU on a
+        shared CPU (the dev cluster's ``--gpu-pods-on-cpu``) idles the rest of the floor instead
+        of training flat out, leaving the cores to the control plane it shares them with. A
+        Prepare, a stop or a leave wakes it at once."""
         self.share_cores = share_cores
         """The cores of one machine that the job's workers share (the local runner with
         ``--device-profile shared``): each uses ``share_cores // world`` threads under a layout
@@ -127,6 +133,7 @@ class TrainingLoop:
                     return 0
                 continue
             faults.inject("step", self.device)       # a hang here answers Status still
+            started = time.monotonic()
             try:
                 red = self.control.redundancy
                 result = self.control.trainer.train_step(signal_value,
@@ -162,6 +169,10 @@ class TrainingLoop:
                         and signals % int(CHECKPOINT_SIGNAL) == world):
                     p.commit_at = -1          # agreed: switch at this boundary
                     self.control.wake.notify_all()
+                rest = self.min_step_s - (time.monotonic() - started)
+                if rest > 0 and p is None and not self.control.stopping \
+                        and self.control.leaving_at is None:
+                    self.control.wake.wait(timeout=rest)
 
     def _after_step(self) -> float:
         """Redundancy at the step boundary: the in-memory snapshot (and its mirror to the

@@ -40,9 +40,10 @@ pod's container, each restart marked), and, in the CRI format kwok's server read
 The simulated GPU nodes have no CUDA, and a worker of a GPU job asks for NCCL on a GPU
 (``--backend auto``): it stops at start, as on a real node without CUDA. Only with
 ``cpu_for_gpu_pods=True`` (tests' fixtures, ``dynatrain dev cluster --run-pods
---gpu-pods-on-cpu``) does the runner append ``--backend gloo`` to the ``dynatrain worker``
-command of a pod that requests ``nvidia.com/gpu``, so it trains on the CPU; nothing else about
-the pod changes.
+--gpu-pods-on-cpu``) does the runner append ``--backend gloo --threads 1`` to the ``dynatrain
+worker`` command of a pod that requests ``nvidia.com/gpu``, so it trains on the CPU with one
+thread (several such workers share one machine), and, with ``cpu_step_floor_s``, at most one
+step per that many seconds; nothing else about the pod changes.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class PodRunner:
                  selector: str = "", interval_s: float = 0.2,
                  backoff_first_s: float = BACKOFF_FIRST_S,
                  log: Callable[[str], None] | None = None, cpu_for_gpu_pods: bool = False,
-                 volume_sync_s: float = 2.0, fork_workers: bool = False):
+                 volume_sync_s: float = 2.0, fork_workers: bool = False,
+                 cpu_step_floor_s: float = 0.0):
         self.core, self.namespace, self.selector = core, namespace, selector
         self.fork_workers = fork_workers
         """Start a ``dynatrain worker`` container by forking it from the fork server of
@@ -145,9 +147,14 @@ class PodRunner:
         self._synced_volumes = 0.0
         self.cpu_for_gpu_pods = cpu_for_gpu_pods
         """Run the ``dynatrain worker`` of a pod that requests ``nvidia.com/gpu`` on the CPU
-        (``--backend gloo`` appended): the simulated GPU nodes have no CUDA. Off, such a worker
-        asks for NCCL and stops at start with exit code 2, as it would on a node without
-        CUDA; tests and ``dynatrain dev cluster --run-pods --gpu-pods-on-cpu`` turn it on."""
+        (``--backend gloo --threads 1`` appended): the simulated GPU nodes have no CUDA. Off,
+        such a worker asks for NCCL and stops at start with exit code 2, as it would on a node
+        without CUDA; tests and ``dynatrain dev cluster --run-pods --gpu-pods-on-cpu`` turn it on."""
+        self.cpu_step_floor_s = cpu_step_floor_s
+        """With :attr:`cpu_for_gpu_pods`, a floor on each training step's wall time of those
+        CPU workers (``--min-step-seconds``; 0: none). A real GPU trains without taking the
+        node's CPU; a stand-in training flat out would take the cores that the control plane,
+        the operator and the other pods of this one machine need."""
         self.workdir = Path(workdir)
         self.interval_s, self.backoff_first_s = interval_s, backoff_first_s
         self._say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -433,7 +440,13 @@ class PodRunner:
         elif argv[0] == "dynatrain":
             argv = [sys.executable, "-m", "dynatrain", *argv[1:]]
         if self.cpu_for_gpu_pods and _requests_gpu(container) and _is_worker(argv):
-            argv = [*argv, "--backend", "gloo"]       # the last --backend wins
+            # The last --backend and --threads win. One thread: torch's default (one per
+            # core) in each of several workers on one machine oversubscribes it, and its
+            # OpenMP threads spin at every barrier (measured in CI, 2 cores: gpt-tiny steps
+            # of 3.6-7 s under dp=4 instead of tens of milliseconds).
+            argv = [*argv, "--backend", "gloo", "--threads", "1"]
+            if self.cpu_step_floor_s:
+                argv += ["--min-step-seconds", f"{self.cpu_step_floor_s:g}"]
         return _Container(ns, name, pod.spec.node_name, argv, env, root / "container.log",
                           pod.spec.restart_policy or "Always", container.name,
                           projections=projections, uid=pod.metadata.uid,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import secrets
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -190,3 +192,42 @@ def test_a_checkpoint_with_stop_is_written_at_one_agreed_step_and_training_stops
         p.send_signal(signal.SIGTERM)                  # a suspended worker has nothing to
     for p in procs:                                    # hand over: it stops at once
         assert p.wait(15) == 0
+
+
+FLOOR_S = 0.5
+
+
+@pytest.fixture
+def paced_workers(tmp_path):
+    yield from _workers(tmp_path, "--min-step-seconds", str(FLOOR_S))
+
+
+def test_a_step_floor_idles_between_steps_and_a_switch_still_goes_through(paced_workers):
+    # `--min-step-seconds` (the dev cluster's CPU stand-ins for GPUs): steps end at least the
+    # floor apart, while each step's own time, which the metrics and the cost model read,
+    # stays its own (a gpt-tiny step on one CPU thread takes well under the floor).
+    clients, rdv, token, procs = paced_workers
+    c0 = clients[0]
+    one = parse_layout("dp=1").with_devices([0])
+    switch({0: c0}, 1, None, one, rdv, reason="start")
+    _wait_steps(c0, 1)
+    first = c0.status().step
+    _wait_steps(c0, 4)
+    records = list(c0.status(since_step=first).steps)
+    assert len(records) >= 4, records
+    gaps = [b.end_time - a.end_time for a, b in zip(records, records[1:])]
+    assert min(gaps) >= FLOOR_S - 0.02, gaps
+    assert min(r.seconds for r in records) < FLOOR_S * 0.6, [r.seconds for r in records]
+    two = parse_layout("dp=2").with_devices([0, 1])
+    rec = switch(clients, 2, one, two, rdv, reason="scale-up")
+    assert rec.result == "success"
+    _wait_steps(clients[1], 2)
+
+
+def test_a_step_floor_out_of_range_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dynatrain", "worker", "--job",
+                           str(ROOT / "examples" / "quickstart.yaml"), "--device", "0",
+                           "--min-step-seconds", "-1"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "--min-step-seconds -1.0 is invalid; expected 0 (none) to 60" in proc.stderr

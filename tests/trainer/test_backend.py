@@ -189,7 +189,11 @@ def test_pod_runner_runs_gpu_workers_on_cpu_only_when_told(tmp_path, cpu_for_gpu
 
     runner = PodRunner(None, tmp_path, cpu_for_gpu_pods=cpu_for_gpu_pods)
     argv = runner._prepare(_pod(gpus, command)).argv
-    assert (argv[-2:] == ["--backend", "gloo"]) == rewritten, argv
+    assert (argv[-4:] == ["--backend", "gloo", "--threads", "1"]) == rewritten, argv
+    # The step floor comes only with the CPU stand-in, and only when set.
+    floored = PodRunner(None, tmp_path, cpu_for_gpu_pods=cpu_for_gpu_pods, cpu_step_floor_s=0.2)
+    argv = floored._prepare(_pod(gpus, command)).argv
+    assert (argv[-2:] == ["--min-step-seconds", "0.2"]) == rewritten, argv
 
 
 def test_operator_asks_for_auto():
