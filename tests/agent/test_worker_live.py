@@ -194,7 +194,7 @@ def test_a_checkpoint_with_stop_is_written_at_one_agreed_step_and_training_stops
         assert p.wait(15) == 0
 
 
-FLOOR_S = 0.5
+FLOOR_S = 1.0
 
 
 @pytest.fixture
@@ -215,9 +215,12 @@ def test_a_step_floor_idles_between_steps_and_a_switch_still_goes_through(paced_
     _wait_steps(c0, 4)
     records = list(c0.status(since_step=first).steps)
     assert len(records) >= 4, records
-    gaps = [b.end_time - a.end_time for a, b in zip(records, records[1:])]
-    assert min(gaps) >= FLOOR_S - 0.02, gaps
-    assert min(r.seconds for r in records) < FLOOR_S * 0.6, [r.seconds for r in records]
+    # The floor runs from one step's start to the next one's (a step's end minus its time);
+    # ends alone may come closer, after a slow step and a fast one.
+    starts = [r.end_time - r.seconds for r in records]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= FLOOR_S - 0.05, gaps
+    assert min(r.seconds for r in records) < FLOOR_S * 0.75, [r.seconds for r in records]
     two = parse_layout("dp=2").with_devices([0, 1])
     rec = switch(clients, 2, one, two, rdv, reason="scale-up")
     assert rec.result == "success"
