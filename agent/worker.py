@@ -156,7 +156,7 @@ def main(argv=None) -> int:
                              "--threads stays)")
     parser.add_argument("--min-step-seconds", type=float, default=0.0, metavar="S",
                         help="a floor on each training step's wall time: a faster step idles "
-                             "the rest (a Prepare, a stop or SIGTERM ends the wait). For "
+                             "the rest (a Commit ends the wait at once). For "
                              "workers that stand in for GPUs on a shared CPU, as the dev "
                              "cluster's --gpu-pods-on-cpu runs them (default 0: none)")
     parser.add_argument("--parent-pid", type=int, default=0,

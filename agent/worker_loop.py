@@ -65,7 +65,7 @@ class TrainingLoop:
         """A floor on each step's wall time (0: none): a worker that stands in for a GPU on a
         shared CPU (the dev cluster's ``--gpu-pods-on-cpu``) idles the rest of the floor instead
         of training flat out, leaving the cores to the control plane it shares them with. A
-        Prepare, a stop or a leave wakes it at once."""
+        Commit or a checkpoint wakes it at once; a stop or a notice waits out the rest."""
         self.share_cores = share_cores
         """The cores of one machine that the job's workers share (the local runner with
         ``--device-profile shared``): each uses ``share_cores // world`` threads under a layout
@@ -169,10 +169,11 @@ class TrainingLoop:
                         and signals % int(CHECKPOINT_SIGNAL) == world):
                     p.commit_at = -1          # agreed: switch at this boundary
                     self.control.wake.notify_all()
-                rest = self.min_step_s - (time.monotonic() - started)
-                if rest > 0 and p is None and not self.control.stopping \
+                if self.min_step_s and p is None and not self.control.stopping \
                         and self.control.leaving_at is None:
-                    self.control.wake.wait(timeout=rest)
+                    rest = self.min_step_s - (time.monotonic() - started)
+                    if rest > 0:
+                        self.control.wake.wait(timeout=rest)
 
     def _after_step(self) -> float:
         """Redundancy at the step boundary: the in-memory snapshot (and its mirror to the

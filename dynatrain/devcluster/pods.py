@@ -149,7 +149,8 @@ class PodRunner:
         """Run the ``dynatrain worker`` of a pod that requests ``nvidia.com/gpu`` on the CPU
         (``--backend gloo --threads 1`` appended): the simulated GPU nodes have no CUDA. Off,
         such a worker asks for NCCL and stops at start with exit code 2, as it would on a node
-        without CUDA; tests and ``dynatrain dev cluster --run-pods --gpu-pods-on-cpu`` turn it on."""
+        without CUDA; tests and ``dynatrain dev cluster --run-pods --gpu-pods-on-cpu`` turn it
+        on."""
         self.cpu_step_floor_s = cpu_step_floor_s
         """With :attr:`cpu_for_gpu_pods`, a floor on each training step's wall time of those
         CPU workers (``--min-step-seconds``; 0: none). A real GPU trains without taking the
@@ -443,7 +444,7 @@ class PodRunner:
             # The last --backend and --threads win. One thread: torch's default (one per
             # core) in each of several workers on one machine oversubscribes it, and its
             # OpenMP threads spin at every barrier (measured in CI, 2 cores: gpt-tiny steps
-            # of 3.6-7 s under dp=4 instead of tens of milliseconds).
+            # of 3.6-7 s under dp=4; ~0.17 s with one thread).
             argv = [*argv, "--backend", "gloo", "--threads", "1"]
             if self.cpu_step_floor_s:
                 argv += ["--min-step-seconds", f"{self.cpu_step_floor_s:g}"]
