@@ -7,7 +7,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PHASE  := tools/phase
 
-.PHONY: setup operator-env demo finetune test go-tools test-prerequisites bench bench-smoke gpu-check clean
+.PHONY: setup operator-env demo finetune test go-tools test-prerequisites test-packages \
+        container-images bench bench-smoke gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -52,21 +53,27 @@ finetune: setup
 # debootstrap and busybox-static for the images it runs (dynatrain/devcluster/kubelet.py).
 RUNTIME_DEBS := containerd runc containernetworking-plugins debootstrap busybox-static
 
-# Tests need a real Prometheus (Debian's package; installed once, root or sudo), the control
-# plane, helm and Kueue built from their pinned Go modules, and the dev cluster's container
-# images (both cached under ~/.cache/dynatrain). The Go builds use the CPUs, the packages and
-# images mostly the network and the disk, so the two lines run side by side (each step still
-# prints its own [phase] line). Measured cold on 2 cores: the images (246 s) cost the control
-# plane's build ~100 s of contention, a small gain over building them inside pytest.
+# Tests need a real Prometheus and the real node's runtime (Debian's packages; installed once,
+# root or sudo), the control plane, helm and Kueue built from their pinned Go modules, and the
+# dev cluster's container images (both cached under ~/.cache/dynatrain). Only the cluster suites
+# need the Go builds and the images, so tools/pytest-shards builds them (niced, images beside
+# the Go builds: CPU beside network and disk) in the cluster lane while the process tests run
+# in the other; with sharding off it builds them first.
 test: setup operator-env
-	@$(MAKE) --no-print-directory -j2 go-tools test-prerequisites
-	@$(PHASE) "test: pytest" $(BIN)/python tools/pytest-shards
+	@$(MAKE) --no-print-directory test-packages
+	@$(PHASE) "test: pytest" $(BIN)/python tools/pytest-shards \
+	  --prerequisites "nice -n 10 $(MAKE) --no-print-directory -j2 go-tools container-images"
+
+# Everything the tests need, built here at once (what `make test` builds on the way).
+test-prerequisites: test-packages go-tools container-images
+
+test-packages:
+	@$(PHASE) "test: prometheus" tools/install-prometheus.sh
+	@$(PHASE) "test: container runtime" tools/install-debs.sh $(RUNTIME_DEBS)
 
 # The images are built here only as root (debootstrap, chroot); otherwise the real-node and
 # image tests say why they cannot run.
-test-prerequisites: setup
-	@$(PHASE) "test: prometheus" tools/install-prometheus.sh
-	@$(PHASE) "test: container runtime" tools/install-debs.sh $(RUNTIME_DEBS)
+container-images: setup test-packages
 	@if [ "$$(id -u)" = 0 ]; then \
 	  $(PHASE) "test: container images" $(BIN)/python -m dynatrain.devcluster.images \
 	    pause worker operator; \
