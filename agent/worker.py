@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from dynatrain.spec.hardware import cpu_quota, threads_for_quota
 from dynatrain.spec.job import JobSpec, load_job
 from dynatrain.trainer.backend import (BACKENDS, NCCL_CLEAN_UP_ONLY, NCCL_ERROR_HANDLING,
                                        BackendError, asked_for, cuda_index, job_backend,
@@ -113,6 +114,20 @@ def _watch_parent(pid: int, worker: Worker) -> None:
     threading.Thread(target=watch, name="dynatrain-parent-watch", daemon=True).start()
 
 
+
+def fit_threads_to_cpu_limit(device: int, quota: float | None = None) -> int:
+    """Without --threads: torch's one thread per core, unless this process's cgroup limits it
+    to fewer cores (a pod's ``limits.cpu``), then the limit's whole cores
+    (:func:`dynatrain.spec.hardware.cpu_quota` says why). Returns the threads set."""
+    quota = cpu_quota() if quota is None else quota
+    default = torch.get_num_threads()
+    threads = threads_for_quota(quota, default)
+    if threads < default:
+        print(f"device {device}: {threads} torch thread(s) for a CPU limit of {quota:g} "
+              f"cores (torch's default here: {default})", flush=True)
+        torch.set_num_threads(threads)
+    return threads
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="dynatrain worker",
@@ -148,7 +163,10 @@ def main(argv=None) -> int:
                              "address (repeatable; for NAT or a service mesh)")
     parser.add_argument("--ready-file", help="write {agent_port, metrics_port, health_port, "
                         "pid} here once serving")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0, the default: torch's, one per core this "
+                             "process may run on, or fewer under a CPU limit: the limit's "
+                             "whole cores, at least one)")
     parser.add_argument("--share-cores", type=int, default=0, metavar="N",
                         help="the job's workers share this machine's N cores (the local "
                              "runner's --device-profile shared): use N // workers threads "
@@ -211,6 +229,8 @@ def main(argv=None) -> int:
                      "0 (none) or a positive count")
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif not args.share_cores:
+        fit_threads_to_cpu_limit(args.device)
     job = load_job(args.job)
     try:
         backend = job_backend(args.backend, job.gpus_per_worker)

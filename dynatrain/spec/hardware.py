@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from dynatrain.vps.topology import DEFAULT_DEVICES_PER_NODE
 
@@ -145,6 +146,65 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+              ) -> float | None:
+    """The CPU limit of this process's cgroup in cores (a pod's ``limits.cpu``: 0.25 for
+    250m), the smallest along its cgroup path; None without one.
+
+    Why it matters: torch starts one thread per core it may run on (its affinity), but a
+    container limited to a quarter of a core gets a quarter of one core's time, so its threads
+    are throttled in turn and wait for each other at every parallel region (on the dev
+    cluster's real node, 2026-11-28: gpt-tiny steps of 10 s). cgroup v2 (``cpu.max``) and v1
+    (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); a container sees its own cgroup at the
+    hierarchy's root (v1, and v2 with a cgroup namespace), the host the full path."""
+    base = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    dirs: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        ident, controllers, path = parts
+        if ident == "0" and controllers == "" and (base / "cpu.max").exists():
+            top = base
+        elif "cpu" in controllers.split(","):
+            top = next((base / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+                        if (base / name / "cpu.cfs_quota_us").exists()), None)
+            if top is None:
+                continue
+        else:
+            continue
+        rel = Path(path.lstrip("/"))
+        dirs += [top / p for p in [rel, *rel.parents] if (top / p).is_dir()]
+    quotas = [q for q in map(_quota_of, dirs) if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _quota_of(directory: Path) -> float | None:
+    try:
+        if (directory / "cpu.max").exists():
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def threads_for_quota(quota: float | None, cores: int) -> int:
+    """Torch threads for a process that may run on ``cores`` cores under a CPU limit of
+    ``quota`` cores: the whole cores of the limit, at least one, at most ``cores``. (Rounded
+    down: a thread beyond the limit is throttled within each period and the others wait for
+    it at the next barrier.)"""
+    if quota is None:
+        return cores
+    return max(1, min(cores, int(quota)))
 
 
 def machine_memory() -> int:

@@ -215,6 +215,11 @@ def test_the_operator_trains_and_recovers_in_real_containers(real_cluster, real_
             assert pod.spec.node_name == NODE
             assert pod.status.container_statuses[0].container_id.startswith("containerd://")
             assert ipaddress.ip_address(pod.status.pod_ip) in node.subnet
+            # The pod's CPU limit (250m) reaches the worker through its cgroup: one torch
+            # thread, not one per core of the node (two threads throttled in turn made steps
+            # of 10 s, and the deleted pod's grace period ran out inside the switch).
+            log = core.read_namespaced_pod_log(pod.metadata.name, ns)
+            assert "1 torch thread(s) for a CPU limit of 0.25 cores" in log, log[-3000:]
 
         # `kubectl delete pod`: the kubelet sends SIGTERM, the worker reports that it is
         # leaving and trains on, the job switches off it live (a preemption, not a failure)
