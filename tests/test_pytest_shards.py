@@ -51,7 +51,8 @@ def test_every_test_file_runs_in_exactly_one_session(cpus):
     assert where["tests/controller/test_chaos.py"] == ["chaos"]
     assert where["tests/k8s/test_operator.py"] == ["cluster" if cpus == 2 else "cluster-a"]
     assert where["tests/devcluster/test_kueue.py"] == ["cluster" if cpus == 2 else "cluster-b"]
-    assert where["tests/controller/test_overlap.py"] == ["processes"]
+    assert where["tests/controller/test_overlap.py"] == ["overlap"]
+    assert where["tests/controller/test_recovery.py"] == ["processes"]
 
 
 def fake_suite(tmp_path: Path, failing: str = "") -> Path:
