@@ -114,7 +114,6 @@ def _watch_parent(pid: int, worker: Worker) -> None:
     threading.Thread(target=watch, name="dynatrain-parent-watch", daemon=True).start()
 
 
-
 def fit_threads_to_cpu_limit(device: int, quota: float | None = None) -> int:
     """Without --threads: torch's one thread per core, unless this process's cgroup limits it
     to fewer cores (a pod's ``limits.cpu``), then the limit's whole cores
@@ -127,6 +126,7 @@ def fit_threads_to_cpu_limit(device: int, quota: float | None = None) -> int:
               f"cores (torch's default here: {default})", flush=True)
         torch.set_num_threads(threads)
     return threads
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
