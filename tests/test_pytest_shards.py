@@ -139,6 +139,11 @@ def test_a_failing_session_fails_the_run_and_one_lane_can_be_asked_for(tmp_path)
     root = fake_suite(tmp_path, failing="p")
     out = run_shards(root, "--prerequisites", "touch built")
     assert out.returncode == 1 and results(out.stdout)["processes"] == "1"
+    # the failed test is named again after the summary lines: a CI log's tail names it
+    tail = out.stdout.splitlines()
+    tail = tail[tail.index("--- failed tests"):]
+    assert tail[1].startswith("processes: FAILED tests/test_p.py::test_p - assert False"), tail
+    assert len(tail) == 2, tail
     # only the floating suite: no prerequisites run, one lane of its own
     root = fake_suite(tmp_path / "again")
     out = run_shards(root, "--prerequisites", "touch built", env={"DYNATRAIN_SHARDS": "float"})

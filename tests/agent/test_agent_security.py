@@ -274,7 +274,8 @@ def test_checks_are_linear_and_their_messages_short():
             rendezvous="127.0.0.1:1", recover=True, old_layout=f"dp={MAX_WORLD}",
             old_devices=devices, failed_devices=list(range(half, MAX_WORLD)),
             proxies={i: i + 1 for i in range(half, MAX_WORLD)}))
-    assert time.perf_counter() - t0 < 2.0
+    # Linear: milliseconds, even on a loaded machine; the quadratic check took minutes.
+    assert time.perf_counter() - t0 < 20.0
     assert "repeats" in info.value.message and len(info.value.message) < 3000
     # At the bound, a valid request passes.
     args = check_prepare(agent_pb2.PrepareRequest(
@@ -339,11 +340,11 @@ def test_answer_codes_are_the_documented_set():
 def test_oversized_and_over_bound_device_lists(control, token_file):
     with serve(control, token_file=token_file) as server, \
             AgentClient(server.address, token=TOKEN, timeout_s=5) as client:
-        # 4 MB of devices: gRPC refuses the message before it is parsed.
-        t0 = time.monotonic()
+        # 4 MB of devices: gRPC refuses the message before it is parsed (at once: the
+        # client's 5 s deadline would end a wait as DEADLINE_EXCEEDED instead).
         code, details = _code(lambda: client.prepare(1, "dp=1", [2**31] * 800_000,
                                                      "127.0.0.1:1"))
-        assert code == Code.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 3
+        assert code == Code.RESOURCE_EXHAUSTED
         assert str(MAX_MESSAGE_BYTES) in details
         # Over MAX_WORLD, under 1 MiB: the agent names the field and the limit.
         code, details = _code(lambda: client.prepare(1, "dp=1", range(MAX_WORLD + 1),
@@ -379,11 +380,11 @@ def test_full_slots_refuse_at_once_and_health_still_answers(control, token_file)
         while control.waiting < 3:
             assert time.monotonic() < deadline, "the Commits did not all start"
             time.sleep(0.01)
-        # Every slot holds a Commit: another Agent call is refused at once, naming the count.
-        t0 = time.monotonic()
+        # Every slot holds a Commit: another Agent call is refused at once, naming the count
+        # (a call that waited for a slot would wait for a Commit's 60 s and end at the
+        # client's 5 s deadline as DEADLINE_EXCEEDED).
         code, details = _code(client.status)
         assert code == Code.RESOURCE_EXHAUSTED and "3 agent calls are in flight" in details
-        assert time.monotonic() - t0 < 2
         # ...while health answers on both ports, the separate one in plaintext.
         serving = health_pb2.HealthCheckResponse.SERVING
         for _ in range(20):
@@ -567,10 +568,8 @@ def test_live_workers_over_mutual_tls(pki, tmp_path):
         # A foreign rendezvous, a 4 MB device list: refused at once, with named errors.
         code, details = _code(lambda: op.prepare(2, "dp=1", [0], "10.9.9.9:29500"))
         assert code == Code.PERMISSION_DENIED and "'10.9.9.9:29500'" in details
-        t0 = time.monotonic()
         assert _code(lambda: op.prepare(2, "dp=1", [2**31] * 800_000, rdv))[0] \
-            == Code.RESOURCE_EXHAUSTED
-        assert time.monotonic() - t0 < 3
+            == Code.RESOURCE_EXHAUSTED                # within op's 5 s deadline
         # A checkpoint outside the worker's roots: refused before anything is abandoned.
         outside = tmp_path / "elsewhere" / "step-5"
         code, details = _code(lambda: op.prepare(2, "dp=1", [0], rdv, checkpoint=str(outside)))

@@ -194,7 +194,8 @@ def test_a_checkpoint_with_stop_is_written_at_one_agreed_step_and_training_stops
         assert p.wait(15) == 0
 
 
-FLOOR_S = 1.0
+# Well above a gpt-tiny step on one CPU thread (~0.1 s), even on a loaded machine.
+FLOOR_S = 2.0
 
 
 @pytest.fixture
@@ -220,7 +221,7 @@ def test_a_step_floor_idles_between_steps_and_a_switch_still_goes_through(paced_
     starts = [r.end_time - r.seconds for r in records]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert min(gaps) >= FLOOR_S - 0.05, gaps
-    assert min(r.seconds for r in records) < FLOOR_S * 0.75, [r.seconds for r in records]
+    assert min(r.seconds for r in records) < FLOOR_S / 2, [r.seconds for r in records]
     two = parse_layout("dp=2").with_devices([0, 1])
     rec = switch(clients, 2, one, two, rdv, reason="scale-up")
     assert rec.result == "success"

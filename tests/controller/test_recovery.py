@@ -67,7 +67,9 @@ def test_a_killed_worker_without_replicas_is_recovered_from_its_buddys_mirror(tm
     assert rec["phases"]["from_checkpoint"] == 0.0
     assert rec["workers_after"] == 3 and rec["from"] == "dp=1,tp=2,pp=2"
     assert 5 <= rec["step"] <= 7              # the last step whose state survived in full
-    assert rec["phases"]["recovery_seconds"] < 30
+    # Under the nccl-sim group timeout (60 s): a recovery that waited for the watchdog
+    # would take longer (its time is a figure: benchmarks/vs_torchft.py).
+    assert rec["phases"]["recovery_seconds"] < 60
     assert "mirrors of [1]" in stdout and "recovery at step" in stdout
     if backend == "nccl-sim":
         # ProcessGroupNCCL (dynatrain.vps.ncclsim): the survivors' TP collectives and PP
