@@ -116,7 +116,11 @@ def test_a_worker_that_hangs_but_answers_status_is_found_by_its_waiting_peers(tm
     check_run(out, reference)
     assert "wait for it in a collective" in out["stdout"]
     (rec,) = out["recoveries"]
-    assert rec["workers_after"] == 2 and rec["phases"]["restored_step"] == 10
+    # From memory, at step 10 or 9: the peers wait in step 11's gradient all-reduce, before
+    # they wait for step 10's mirrors (Redundancy.wait_mirror), so whether those count is a
+    # race (CI, 2026-11-29: restored 9); step 9's had all arrived, as every rank finished 10.
+    assert rec["workers_after"] == 2 and rec["phases"]["restored_step"] in (9, 10)
+    assert rec["phases"]["from_checkpoint"] == 0
 
 
 def test_a_member_that_just_joined_is_not_the_single_point_of_loss(tmp_path, reference):

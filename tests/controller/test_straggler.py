@@ -300,17 +300,24 @@ def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
     to about 3 (the others take the rest, dealt by their measured rates: on 2 shared cores
     7+7+7+3 or 8+6+7+3), and the step gets faster; the same samples are trained once."""
     proc, out = run_slowed(tmp_path, manifest({"enabled": True}, batch=24), factor=2)
-    # The first cure is the deal. Later ones follow the measurements: on a CI machine whose 2
-    # cores ran other tests too, device 3 still measured 1.4x its peers' step compute after
-    # the deal, and was then left out and the 3 others dealt again (each a switch that moves
-    # no bytes and must pay back). Those are the rule acting on noise, not asserted here.
+    # The cure is a deal, refined as the measurements come. On a CI machine whose 2 cores ran
+    # other tests too, the first deal can rest on one noisy measurement (2026-11-29: 8+5+6+5,
+    # device 1 measured as slow as device 3, then 8+6+7+3 and 7+7+8+2 two and four measurements
+    # later); device 3 may also still measure 1.4x its peers after a deal and be left out
+    # (2026-11-28). What must hold: no deal gives device 3 more than its even 6, and one of
+    # them gives it clearly the fewest.
     rebalances = [s for s in out["switches"] if s["reason"] == "rebalance"]
-    switch = rebalances[0]
-    assert switch["from"] == "dp=4,tp=1,pp=1"
+    assert rebalances and rebalances[0]["from"] == "dp=4,tp=1,pp=1", out["switches"]
+    deals = [s for s in rebalances if parse_layout(s["to"]).dp == 4]
+    for s in deals:
+        dealt = parse_layout(s["to"]).shares
+        assert dealt is not None and sum(dealt) == 24, s
+        assert dealt[3] <= 6, s
+    switch = next((s for s in deals if parse_layout(s["to"]).shares[3] <= 4
+                   and min(parse_layout(s["to"]).shares[:3]) > parse_layout(s["to"]).shares[3]),
+                  None)
+    assert switch is not None, rebalances
     shares = parse_layout(switch["to"]).shares
-    assert parse_layout(switch["to"]).dp == 4, switch
-    assert shares is not None and sum(shares) == 24 and shares[3] <= 4, switch
-    assert min(shares[:3]) > shares[3], switch
     text = "+".join(map(str, shares))
     assert "device 3 computes" in proc.stdout and f"shares {text} of the micro-batches" \
         in proc.stdout
@@ -324,12 +331,12 @@ def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
     assert 0 < fwd < bwd and fwd + bwd <= compute * 1.01, m
     assert m["memory_bytes"] > 100 << 20 and m["predicted_memory_bytes"] > 0, m
     before = out["measurements"][0]
-    after = next(m for m in out["measurements"] if m["layout"] == switch["to"])
-    assert before["layout"] == "dp=4,tp=1,pp=1"
+    assert before["layout"] == "dp=4,tp=1,pp=1" and before["step_seconds"] > 0, before
     # The speed-up itself is a figure (benchmarks/shares.py), not a verdict: on a loaded
     # machine one measured step can be slower than the other for reasons of its own.
-    print(f"step {before['step_seconds'] * 1e3:.1f} ms even, "
-          f"{after['step_seconds'] * 1e3:.1f} ms with shares {text}")
-    assert after["step_seconds"] > 0 and before["step_seconds"] > 0, (before, after)
+    after = next((m for m in out["measurements"] if m["layout"] == switch["to"]), None)
+    if after is not None:
+        print(f"step {before['step_seconds'] * 1e3:.1f} ms even, "
+              f"{after['step_seconds'] * 1e3:.1f} ms with shares {text}")
     assert out["samples_exactly_once"]
     assert all(loss == loss for loss in out["losses"])
