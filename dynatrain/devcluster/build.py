@@ -56,6 +56,10 @@ def default_toolchain() -> GoModule:
         binaries=BINARIES,
         ldflags=version_ldflags(TOOLS / "k8s"),
         output_names={"etcd": "server"},
+        # Static binaries (no C compiler needed), and the setting helm's and Kueue's builds use:
+        # CGO_ENABLED is part of every package's build-cache key, so with it the three builds
+        # compile their shared packages once (gopins.py).
+        env={"CGO_ENABLED": "0"},
         # A cold build (empty module and build caches) took 12 minutes on 2 cores; allow
         # plenty more for slower machines before declaring it hung.
         timeout=datetime.timedelta(
