@@ -38,18 +38,6 @@ func main() { fmt.Println("hello from a pinned module") }
 """
 
 
-@pytest.fixture(scope="module")
-def go():
-    """Skip (fail in CI) if there is no Go and none can be installed."""
-    try:
-        return gobuild.go_command(gobuild.TOOLS / "k8s" / "go.mod")
-    except gobuild.GoUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"no Go toolchain: CI builds the control plane with it: {exc}",
-                        pytrace=False)
-        pytest.skip(f"no Go toolchain to build with: {exc}")
-
-
 @pytest.fixture
 def module(tmp_path, go):
     src = tmp_path / "mod"

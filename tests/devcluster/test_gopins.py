@@ -9,23 +9,7 @@ read the go.mod files with `go mod edit -json` (no network, no build).
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from dynatrain.devcluster import build, gobuild, gopins, helm, kueue
-
-
-@pytest.fixture(scope="module")
-def go():
-    """Skip (fail in CI) if there is no Go and none can be installed."""
-    try:
-        return gobuild.go_command(gobuild.TOOLS / "k8s" / "go.mod")
-    except gobuild.GoUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"no Go toolchain: CI builds the control plane with it: {exc}",
-                        pytrace=False)
-        pytest.skip(f"no Go toolchain to read go.mod with: {exc}")
 
 
 def test_every_module_the_wrappers_share_has_one_version(go):
