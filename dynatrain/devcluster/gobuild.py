@@ -1,9 +1,11 @@
 """Build binaries from a pinned wrapper Go module, once, into a content-keyed cache.
 
 Nothing the project runs from Go (the control plane's etcd, kube-apiserver, kube-scheduler,
-kubectl and kwok in ``tools/k8s``; ``helm`` in ``tools/helm``) is downloaded as a binary: each
-is compiled from a wrapper Go module whose ``go.mod`` is the one place its versions are pinned
-(``tool`` directives name the main packages). This module is the one builder for all of them:
+kube-controller-manager, kubectl, kubelet and kwok in ``tools/k8s``; ``helm`` in
+``tools/helm``; Kueue's manager in ``tools/kueue``) is downloaded as a binary: each is compiled
+from a wrapper Go module whose ``go.mod`` is the one place its versions are pinned (``tool``
+directives name the main packages; the modules the three share are at one version in all of
+them, :mod:`.gopins`). This module is the one builder for all of them:
 
 - **pins**: the cache key hashes go.mod as Go parses it (so editing a comment does not rebuild),
   go.sum, the Go toolchain's version, the build flags and environment, so a changed pin or
@@ -43,7 +45,7 @@ from .errors import DevClusterError
 _PROGRESS_EVERY_S = 15.0
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
-"""The source checkout's wrapper Go modules (``tools/k8s``, ``tools/helm``)."""
+"""The source checkout's wrapper Go modules (``tools/k8s``, ``tools/helm``, ``tools/kueue``)."""
 
 GO_CACHE_ENV = "DYNATRAIN_GO_CACHE"
 """Overrides where Go toolchains are installed (``$XDG_CACHE_HOME/dynatrain/go``)."""
