@@ -83,8 +83,8 @@ def _show(pin: Pin) -> str:
 
 def _selection(cwd: Path, workspace: Path | None = None) -> dict[str, Pin]:
     """``go list -m all``: the version Go selects for every module of the build graph."""
-    out, dec, i, found = _go(["list", "-m", "-json", "all"], cwd, workspace=workspace), \
-        json.JSONDecoder(), 0, {}
+    out = _go(["list", "-m", "-json", "all"], cwd, workspace=workspace)
+    dec, i, found = json.JSONDecoder(), 0, {}
     while True:
         while i < len(out) and out[i].isspace():
             i += 1
@@ -108,7 +108,6 @@ def align(modules: Mapping[str, Path] | None = None, *, rounds: int = 5) -> list
     for _ in range(rounds):
         changed = False
         for name, path in modules.items():
-            own = _selection(path)
             required = pins(path)
             edits = []
             for module, (version, replacement) in one.items():
@@ -118,7 +117,7 @@ def align(modules: Mapping[str, Path] | None = None, *, rounds: int = 5) -> list
                     edits.append(f"-require={module}@{version}")
                 if replacement:
                     edits.append(f"-replace={module}={replacement[0]}@{replacement[1]}")
-                elif own.get(module, ("", None))[1]:
+                elif required[module][1]:
                     edits.append(f"-dropreplace={module}")
             if edits:
                 print(f"tools/{name}: {len(edits)} edits", file=sys.stderr)
