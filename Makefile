@@ -7,13 +7,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PHASE  := tools/phase
 
-.PHONY: setup operator-env demo finetune test go-tools test-prerequisites test-packages \
-        container-images bench bench-smoke gpu-check clean
+.PHONY: setup operator-env demo finetune test go-tools go-tools-early test-prerequisites \
+        test-packages container-images bench bench-smoke gpu-check clean
 
 setup: $(VENV)/.installed
 
+CHECK_PYTHON := $(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "DynaTrain needs Python >= 3.11, found " + sys.version.split()[0]'
+
 $(VENV)/.installed: pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "DynaTrain needs Python >= 3.11, found " + sys.version.split()[0]'
+	@$(CHECK_PYTHON)
 	@$(PHASE) "setup: .venv and Python packages" sh -c '\
 	  $(PYTHON) -m venv $(VENV) && \
 	  $(BIN)/pip install --quiet --upgrade pip && \
@@ -55,14 +57,25 @@ RUNTIME_DEBS := containerd runc containernetworking-plugins debootstrap busybox-
 
 # Tests need a real Prometheus and the real node's runtime (Debian's packages; installed once,
 # root or sudo), the control plane, helm and Kueue built from their pinned Go modules, and the
-# dev cluster's container images (both cached under ~/.cache/dynatrain). Only the cluster suites
-# need the Go builds and the images, so tools/pytest-shards builds them (niced, images beside
-# the Go builds: CPU beside network and disk) in the cluster lane while the process tests run
-# in the other; with sharding off it builds them first.
-test: setup operator-env
-	@$(MAKE) --no-print-directory test-packages
-	@$(PHASE) "test: pytest" $(BIN)/python tools/pytest-shards \
-	  --prerequisites "nice -n 10 $(MAKE) --no-print-directory -j2 go-tools container-images"
+# dev cluster's container images (both cached under ~/.cache/dynatrain). tools/pytest-shards
+# (standard library only, so the system's Python runs it) orders the work for 2 cores:
+# - the venv and the packages are set up side by side (downloads and unpacking), then the
+#   operator's venv (after the venv: both editable installs write dynatrain.egg-info here);
+#   beside them the control plane's and helm's Go builds start (go-tools-early, niced: they
+#   need only the standard library);
+# - only the cluster suites need the Go builds and the images, so the rest of them (Kueue, the
+#   images beside: CPU beside network and disk) are built in the cluster lane while the
+#   process tests run in the other; with sharding off they are built first;
+# - the benchmark smoke (bench-smoke) is the last floating session: it fills the tail of the
+#   lane that ends first.
+test:
+	@$(CHECK_PYTHON)
+	@$(PHASE) "test" $(PYTHON) tools/pytest-shards --python $(BIN)/python \
+	  --setup "$(MAKE) --no-print-directory -j2 setup test-packages && \
+	           $(MAKE) --no-print-directory operator-env" \
+	  --early "nice -n 10 $(MAKE) --no-print-directory go-tools-early" \
+	  --prerequisites "nice -n 10 $(MAKE) --no-print-directory -j2 go-tools container-images" \
+	  --also "bench-smoke=$(MAKE) --no-print-directory bench-smoke"
 
 # Everything the tests need, built here at once (what `make test` builds on the way).
 test-prerequisites: test-packages go-tools container-images
@@ -82,6 +95,12 @@ container-images: setup test-packages
 # Without a Go on PATH that can build them (Go >= 1.21 fetches the toolchain go.mod names
 # itself), the first build downloads that toolchain (about 70 MB from the Go module proxy,
 # checked against the checksum database) into ~/.cache/dynatrain/go (devcluster/goinstall.py).
+# Before the venv exists: -I keeps the checkout's operator/ package from shadowing the
+# standard library's `operator`; the repository is appended for `dynatrain.devcluster`.
+go-tools-early:
+	@$(PHASE) "setup: control plane and helm, beside the Python setup" $(PYTHON) -I -c \
+	  'import sys; sys.path.append("."); from dynatrain.devcluster.build import main; sys.exit(main(["--helm"]))'
+
 go-tools: setup
 	@$(PHASE) "setup: control plane from tools/k8s" $(BIN)/dynatrain dev cluster --build-only
 	@$(PHASE) "setup: helm from tools/helm" $(BIN)/dynatrain chart build-helm

@@ -151,3 +151,44 @@ def test_a_failing_session_fails_the_run_and_one_lane_can_be_asked_for(tmp_path)
     assert not (root / "built").exists() and "cluster tools" not in out.stdout
     out = run_shards(root, env={"DYNATRAIN_SHARDS": "nosuch"})
     assert out.returncode == 2 and "'nosuch'" in out.stderr and "float" in out.stderr
+
+
+def test_setup_first_the_early_builds_beside_it_and_an_also_command_floats(tmp_path):
+    root = fake_suite(tmp_path)
+    (root / "tests" / "test_p.py").write_text(
+        "import os\n"
+        "def test_p():\n"
+        "    assert os.path.exists('set-up')\n")
+    # the early command runs while the setup still sleeps (it finds no set-up yet), the
+    # prerequisite's build finds what it made; the sessions find the setup's file
+    out = run_shards(root, "--setup", "sleep 2 && touch set-up",
+                     "--early", "test ! -e set-up && touch early-built",
+                     "--prerequisites", "test -e early-built && touch built",
+                     "--also", "smoke=echo smoke ran; test -e set-up")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert results(out.stdout) == {"cluster": "0", "processes": "0", "float": "0"}
+    lines = out.stdout.splitlines()
+
+    def at(prefix: str) -> int:
+        return next(i for i, x in enumerate(lines) if x.startswith(prefix))
+
+    assert at("[phase] test: early builds: started") < at("[phase] test: setup: 2 s (exit 0)")
+    assert at("[phase] test: setup: 2 s (exit 0)") < at("[phase] test: pytest[processes]: "
+                                                        "started")
+    assert "[smoke] smoke ran" in lines
+    assert sum(x.startswith("[phase] test: smoke: ") and x.endswith("(exit 0)")
+               for x in lines) == 1
+    # an --also command that fails fails the run, and says which
+    out = run_shards(fake_suite(tmp_path / "two"), "--prerequisites", "touch built",
+                     "--also", "smoke=exit 4")
+    assert out.returncode == 4 and "[phase] test: smoke: 0 s (exit 4)" in out.stdout
+
+
+def test_a_failed_setup_ends_the_run_before_any_session(tmp_path):
+    root = fake_suite(tmp_path)
+    out = run_shards(root, "--setup", "echo no network; exit 7", "--prerequisites", "touch built")
+    assert out.returncode == 7, out.stdout + out.stderr
+    assert "[setup] no network" in out.stdout and results(out.stdout) == {}
+    assert not (root / "built").exists()
+    out = run_shards(root, "--also", "no-equals-sign")
+    assert out.returncode == 2 and "'no-equals-sign': expected NAME=COMMAND" in out.stderr

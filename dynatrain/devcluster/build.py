@@ -83,3 +83,34 @@ def ensure_built(toolchain: GoModule | None = None, *,
                  log: Callable[[str], None] | None = None) -> Built:
     """The control plane's binaries for the current pins, built first if needed."""
     return _ensure_built(toolchain or default_toolchain(), log=log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dynatrain.devcluster.build [--helm]``: build the control plane (and helm)
+    if needed and print where they are.
+
+    This module, :mod:`.gobuild` and :mod:`.helm` need only Python's standard library, so
+    ``make test`` runs this with the system's Python (``PYTHONPATH=.``) while the project's
+    venv is still being made: on a cold machine the venv's setup mostly downloads and unpacks
+    and leaves a core for the compiler (tools/pytest-shards, ``--early``)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dynatrain.devcluster.build", description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("--helm", action="store_true", help="build helm (tools/helm) as well")
+    args = parser.parse_args(argv)
+    try:
+        print(f"control plane: {ensure_built().bin_dir}", flush=True)
+        if args.helm:
+            from .helm import ensure_helm
+
+            print(f"helm: {ensure_helm()}", flush=True)
+    except GoBuildError as exc:
+        print(f"python -m dynatrain.devcluster.build: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
