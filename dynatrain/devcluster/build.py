@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if needed and print where they are.
 
     This module, :mod:`.gobuild` and :mod:`.helm` need only Python's standard library, so
-    ``make test`` runs this with the system's Python (``PYTHONPATH=.``) while the project's
-    venv is still being made: on a cold machine the venv's setup mostly downloads and unpacks
+    ``make test`` runs this with the system's Python (``make go-tools-early``) while the
+    project's venv is still being made: on a cold machine the venv's setup mostly downloads and unpacks
     and leaves a core for the compiler (tools/pytest-shards, ``--early``)."""
     import argparse
     import sys
