@@ -21,11 +21,20 @@ import os
 
 import torch.multiprocessing as mp
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+           # What `dynatrain worker` imports besides torch and this project (its agent's gRPC
+           # server and TLS, the job spec, its metrics):
+           "grpc", "grpc_health.v1.health", "google.protobuf.message", "cryptography.x509",
+           "cryptography.hazmat.primitives.serialization", "yaml", "prometheus_client.core")
 """What the fork server imports before it forks anything (third-party only, see above).
 ``torch._dynamo`` is there because every torch optimizer imports it on first use (2.7 s of CPU
 on a 2-core machine): the local runner's workers forked from here (:mod:`dynatrain.controller.
-workerstart`) and any rank that trains would each pay it."""
+workerstart`) and any rank that trains would each pay it. The worker's other libraries took
+0.25 s of CPU in every forked worker (0.39 s of imports in all, measured on this 2-core
+machine; cryptography alone 0.21 s), and the test suite forks hundreds. Importing them starts
+no thread (gRPC's core starts with its first channel or server, in the worker), so the server
+stays single-threaded and safe to fork; a library missing here is skipped by the server and
+imported, or reported missing, where it is used."""
 
 START_METHODS = ("forkserver", "spawn")
 
