@@ -127,7 +127,7 @@ class PodRunner:
     """
 
     def __init__(self, core: client.CoreV1Api, workdir: Path, *, namespace: str | None = None,
-                 selector: str = "", interval_s: float = 0.2,
+                 selector: str = "", interval_s: float = 0.2, nodes_interval_s: float = 1.0,
                  backoff_first_s: float = BACKOFF_FIRST_S,
                  log: Callable[[str], None] | None = None, cpu_for_gpu_pods: bool = False,
                  volume_sync_s: float = 2.0, fork_workers: bool = False,
@@ -158,6 +158,16 @@ class PodRunner:
         the operator and the other pods of this one machine need."""
         self.workdir = Path(workdir)
         self.interval_s, self.backoff_first_s = interval_s, backoff_first_s
+        self.nodes_interval_s = nodes_interval_s
+        """How often the nodes (which are alive) and the pending claims are read; the pods are
+        read every ``interval_s``. A node that goes away is noticed within this, as a kubelet's
+        machine that dies takes its processes with it a moment later; a pod on a node not seen
+        before has them read at once (a new node's pods start without waiting). Measured on
+        2 cores: a runner reading all four every 0.2 s took ~7.5% of a core from the apiserver,
+        etcd and itself with no pod to run; nodes, with their status, are the largest of them."""
+        self._alive: set[str] = set()
+        self._known: set[str] = set()
+        self._nodes_read = -float("inf")
         self._say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.containers: dict[str, _Container] = {}
         """Pod uid -> its container process."""
@@ -234,10 +244,17 @@ class PodRunner:
         else:
             pods = self.core.list_namespaced_pod(self.namespace,
                                                  label_selector=self.selector).items
-        alive = self._live_nodes()
-        provision_claims(self.core, self.namespace, self.claim_dir, self._say)
-        by_uid = {p.metadata.uid: p for p in pods}
         now = time.monotonic()
+        if (now - self._nodes_read >= self.nodes_interval_s
+                or any(p.spec.node_name and p.spec.node_name not in self._known for p in pods)):
+            self._alive, self._known = self._live_nodes()
+            # A pod's node is in the list read after it unless it was deleted since: its pods
+            # need no read every round until the pod garbage collector removes them.
+            self._known |= {p.spec.node_name for p in pods if p.spec.node_name}
+            provision_claims(self.core, self.namespace, self.claim_dir, self._say)
+            self._nodes_read = now
+        alive = self._alive
+        by_uid = {p.metadata.uid: p for p in pods}
         for uid, c in self.containers.items():
             self._tend(c, by_uid.get(uid), c.node in alive, now)
             if not c.published and not c.done and uid in by_uid:
@@ -256,9 +273,10 @@ class PodRunner:
                 self._run(c)
                 self._publish(c)
 
-    def _live_nodes(self) -> set[str]:
+    def _live_nodes(self) -> tuple[set[str], set[str]]:
         """Simulated nodes that exist and still heart-beat (their kubelet, so their processes,
-        live). A real node's kubelet (:mod:`.kubelet`) runs its own pods' containers."""
+        live), and every node that exists. A real node's kubelet (:mod:`.kubelet`) runs its own
+        pods' containers."""
         from kubernetes import client
 
         if self._coordination is None:
@@ -266,8 +284,10 @@ class PodRunner:
         stopped = {lease.metadata.name for lease in self._coordination.list_namespaced_lease(
             NODE_LEASE_NAMESPACE).items if heartbeat_stopped(lease)}
         key, value = KWOK_ANNOTATION
-        return {n.metadata.name for n in self.core.list_node().items
-                if (n.metadata.annotations or {}).get(key) == value} - stopped
+        nodes = self.core.list_node().items
+        return ({n.metadata.name for n in nodes
+                 if (n.metadata.annotations or {}).get(key) == value} - stopped,
+                {n.metadata.name for n in nodes})
 
     def _tend(self, c: _Container, pod, node_alive: bool, now: float) -> None:
         running = c.proc is not None and c.proc.poll() is None
