@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 
+from dynatrain.bench.cpuload import machine_busy_seconds
 from dynatrain.controller.calibrate import measure_cpu_profile, measure_gloo_link
 from dynatrain.controller.costmodel import estimate
 from dynatrain.controller.solver import candidate_layouts, solve
@@ -51,14 +52,6 @@ from dynatrain.trainer.config import TrainConfig
 from dynatrain.trainer.launch import run_local
 from dynatrain.vps.layout import parse_layout
 from dynatrain.vps.presets import load_model
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds this machine has spent busy (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def our_seconds() -> float:
