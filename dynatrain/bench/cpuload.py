@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import os
+from typing import NamedTuple
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -56,16 +57,31 @@ def kind(pid: int) -> str | None:
     return "python"
 
 
+class _Seen(NamedTuple):
+    name: str
+    ppid: int
+    started: int                  # start time, in ticks since boot: tells a reused pid apart
+    used: int                     # its own utime + stime
+    reaped: int                   # cutime + cstime: its children that it has waited for
+
+
 class Sampler:
-    """CPU ticks per kind of process, from the deltas of /proc/<pid>/stat between samples."""
+    """CPU ticks per kind of process, from the deltas of /proc/<pid>/stat between samples.
+
+    A process that exits between two samples would lose what it used since the last one, and
+    one that lived entirely between two (a compiler run of ``go build``, a ``kubectl`` call)
+    would not be seen at all. Both reach their parent's ``cutime``/``cstime`` when it waits for
+    them, so what a parent's reaped time grows by, less what was already counted of its
+    children that went away, is counted too, under ``<parent's kind> (children)``.
+    """
 
     def __init__(self) -> None:
         self.ticks: collections.Counter[str] = collections.Counter()
-        self._last: dict[int, tuple[str, int]] = {}
+        self._last: dict[int, _Seen] = {}
         self._first = True
 
     def sample(self) -> None:
-        seen = set()
+        now: dict[int, _Seen] = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -75,22 +91,47 @@ class Sampler:
                     rest = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            used = int(rest[11]) + int(rest[12])     # utime + stime
-            seen.add(pid)
-            if pid in self._last:
-                name, before = self._last[pid]
-                self.ticks[name] += used - before
-                self._last[pid] = (name, used)
+            ppid, started = int(rest[1]), int(rest[19])
+            used = int(rest[11]) + int(rest[12])
+            reaped = int(rest[13]) + int(rest[14])
+            before = self._last.get(pid)
+            if before is not None and before.started == started:
+                now[pid] = before._replace(ppid=ppid, used=used, reaped=reaped)
+                self.ticks[before.name] += used - before.used
                 continue
             name = kind(pid)
             if name is None:
                 continue
-            if not self._first:                      # started since the last sample
+            now[pid] = _Seen(name, ppid, started, used, reaped)
+            if not self._first:
+                # Started since the last sample, so all of its time and its reaped children's
+                # (younger than it) is new.
                 self.ticks[name] += used
-            self._last[pid] = (name, used)
-        for pid in set(self._last) - seen:
-            del self._last[pid]
+                if reaped:
+                    self.ticks[f"{name} (children)"] += reaped
+        self._count_reaped(now)
+        self._last = now
         self._first = False
+
+    def _count_reaped(self, now: dict[int, _Seen]) -> None:
+        # What each process that went away was counted with (its own time and its reaped
+        # children's), charged to its nearest ancestor still alive: that ancestor's reaped time
+        # holds it again once the processes between them are waited for.
+        counted: collections.Counter[int] = collections.Counter()
+        for pid, gone in self._last.items():
+            if pid in now and now[pid].started == gone.started:
+                continue
+            ancestor, hops = gone.ppid, 0
+            while ancestor not in now and ancestor in self._last and hops < 64:
+                ancestor, hops = self._last[ancestor].ppid, hops + 1
+            counted[ancestor] += gone.used + gone.reaped
+        for pid, seen in now.items():
+            before = self._last.get(pid)
+            if before is None or before.started != seen.started:
+                continue
+            more = seen.reaped - before.reaped - counted[pid]
+            if more > 0:        # < 0: an orphan it adopted (a subreaper) was counted before
+                self.ticks[f"{seen.name} (children)"] += more
 
     def seconds(self) -> collections.Counter[str]:
         """CPU seconds per kind of process so far."""
