@@ -82,6 +82,11 @@ def go_command(go_mod: Path, *, log: Callable[[str], None] | None = None) -> str
         raise GoBuildError(str(exc)) from exc
 
 
+BUILD_GOGC = "200"
+"""The Go garbage collector's target for the go command, its compilers and linker: fewer
+collections for a peak of ~1.7 GB (a compile of a large package), on a machine that has it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GoModule:
     """A wrapper Go module and what to build from it."""
@@ -100,6 +105,14 @@ class GoModule:
     ``go.etcd.io/etcd/server/v3`` comes out as ``server``)."""
     ldflags: str = "-s -w"
     """Stripped binaries keep the cache lean."""
+    gcflags: str = "all=-dwarf=false -c=1"
+    """The compiler's flags, for every package. The binaries are stripped (``-w``), so the
+    debug information the compiler makes would be dropped at link time: ``-dwarf=false`` does
+    not make it. ``-c=1``: one backend thread per compile, as ``go build`` already runs a
+    compile per core. With ``GOGC=200`` for the build (:data:`BUILD_GOGC`), a cold build of
+    ``tools/k8s`` took 501 core-seconds instead of 577 on 2 cores (one run each, idle machine).
+    The control plane, helm and Kueue share it: it is part of each compiled package's cache
+    key, so one setting lets the three builds compile their shared packages once."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra build environment (``CGO_ENABLED=0`` for a static binary); part of the hash."""
     timeout: datetime.timedelta = datetime.timedelta(minutes=90)
@@ -160,7 +173,7 @@ def pins_hash(module: GoModule) -> str:
     h.update(run_go(module, "mod", "edit", "-json").encode() + b"\0")
     h.update((module.module_dir / "go.sum").read_bytes() + b"\0")
     h.update(run_go(module, "env", "GOVERSION").strip().encode() + b"\0")
-    h.update(f"{module.ldflags}|{sorted(module.env.items())}|"
+    h.update(f"{module.ldflags}|{module.gcflags}|{sorted(module.env.items())}|"
              f"{sorted(module.binaries.items())}".encode())
     return h.hexdigest()[:16]
 
@@ -207,9 +220,9 @@ def _build(module: GoModule, target: Path, log: Callable[[str], None]) -> None:
     # the binaries independent of where the checkout and caches live. Flags go on the command
     # line, not through $GOFLAGS, so that a user's own GOFLAGS still apply.
     go, go_env = _go(module)
-    cmd = [go, "build", "-v", "-trimpath", f"-ldflags={module.ldflags}",
-           "-o", str(staging) + "/", "tool"]
-    env = {**go_env, **module.env}
+    cmd = [go, "build", "-v", "-trimpath", f"-gcflags={module.gcflags}",
+           f"-ldflags={module.ldflags}", "-o", str(staging) + "/", "tool"]
+    env = {"GOGC": BUILD_GOGC, **go_env, **module.env}      # a GOGC of the user's wins
     shown_env = " ".join(f"{k}={v}" for k, v in sorted(module.env.items()))
     log(f"[{module.label}] building {', '.join(module.binaries)} from {module.module_dir} "
         f"into {target / 'bin'}; log: {log_path}")

@@ -77,6 +77,7 @@ def test_cache_key_ignores_comments_but_not_pins_flags_or_env(module):
     assert gobuild.pins_hash(module) != base
     go_mod.write_text(GO_MOD)
     assert gobuild.pins_hash(dataclasses.replace(module, ldflags="-s")) != base
+    assert gobuild.pins_hash(dataclasses.replace(module, gcflags="")) != base
     assert gobuild.pins_hash(dataclasses.replace(module, env={})) != base
 
 
