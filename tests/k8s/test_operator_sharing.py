@@ -69,9 +69,20 @@ def test_equal_jobs_share_the_pool_and_a_third_takes_its_minimum_by_live_shrinks
         # Two equal jobs on 6 GPUs: both run, 3 each (whoever the scheduler placed first).
         sts = wait("both jobs on 3 workers each", settled({"first": 3, "second": 3}),
                    timeout=300)
+        # On the way there a job may have shrunk and grown again (a share computed while the
+        # other job's pods were still being placed): its leaver's pod, which exited as the
+        # shrink ended, is deleted as the operator sees it, which can come after the status.
+        def placed(name: str) -> list:
+            return [p for p in job_pods(core, namespace, name)
+                    if p.spec.node_name and p.metadata.deletion_timestamp is None]
+        try:
+            wait("3 placed worker pods per job, any leaver's pod deleted",
+                 lambda: all(len(placed(n)) == 3 for n in names[:2]), timeout=60)
+        except AssertionError as e:
+            pods = [(p.metadata.name, p.spec.node_name, p.status.phase)
+                    for n in names[:2] for p in placed(n)]
+            raise AssertionError(f"{e}: {pods}") from None
         for name in names[:2]:
-            placed = [p for p in job_pods(core, namespace, name) if p.spec.node_name]
-            assert len(placed) == 3, [(p.metadata.name, p.spec.node_name) for p in placed]
             cond = condition(custom, namespace, name, "Share")
             assert cond is not None and "of the 6 GPUs its pool's 2 jobs hold" in \
                 cond["message"], cond
