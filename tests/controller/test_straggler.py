@@ -330,11 +330,19 @@ def test_a_slowed_worker_gets_fewer_micro_batches_live(tmp_path):
     assert "calibrated: compute x" in proc.stdout
     # The workers report the passes and their memory: backward and forward within compute
     # (the optimizer is the rest), the resident memory of a torch process.
-    m = out["measurements"][0]
-    [fwd], [bwd], [compute] = (m[k] for k in ("stage_forward_seconds", "stage_backward_seconds",
-                                              "stage_compute_seconds"))
-    assert 0 < fwd < bwd and fwd + bwd <= compute * 1.01, m
-    assert m["memory_bytes"] > 100 << 20 and m["predicted_memory_bytes"] > 0, m
+    # Each measurement's passes are wall-clock times of 3 steps: on 2 cores shared with other
+    # tests one forward can outlast one backward (a CI run on 2026-11-29: 0.587 s against
+    # 0.526 s), so the order of the two (backward does about twice the work) is checked over
+    # the whole run, where the labels swapped would still show.
+    passes = []
+    for m in out["measurements"]:
+        [fwd], [bwd], [compute] = (m[k] for k in ("stage_forward_seconds",
+                                                  "stage_backward_seconds",
+                                                  "stage_compute_seconds"))
+        assert 0 < fwd and 0 < bwd and fwd + bwd <= compute * 1.01, m
+        assert m["memory_bytes"] > 100 << 20 and m["predicted_memory_bytes"] > 0, m
+        passes.append((fwd, bwd))
+    assert sum(f for f, _ in passes) < sum(b for _, b in passes), passes
     before = out["measurements"][0]
     assert before["layout"] == "dp=4,tp=1,pp=1" and before["step_seconds"] > 0, before
     # The speed-up itself is a figure (benchmarks/shares.py), not a verdict: on a loaded
