@@ -37,8 +37,11 @@ appended (:class:`.ocilayout._Archive`); its 5.7 GB are neither copied nor re-re
 digest comes from the cache (``base-<key>/layer.json``).
 
 **Cache.** ``~/.cache/dynatrain/images/`` (``$XDG_CACHE_HOME``; ``DYNATRAIN_IMAGES_CACHE``
-overrides it), entries named by a hash of their inputs: ``pause-<key>.tar``, ``base-<key>/``
-(layer 1's ``rootfs/``, its ``inputs.json`` and ``layer.json``) and ``worker-<key>.tar``, each
+overrides it), entries named by a hash of their inputs: ``pause-<key>.tar``, ``debian-<key>/`` (Debian from
+debootstrap, the user and an empty venv: the root file system the worker's and the operator's
+bases are copied from, so a cold build debootstraps once), ``base-<key>/`` and
+``slim-base-<key>/`` (layer 1's ``rootfs/``, its ``inputs.json`` and ``layer.json``) and
+``worker-<key>.tar``, each
 made under a temporary name and renamed when complete, under a file lock that serialises
 concurrent builders (the second waits, then reuses the first one's result). A new entry
 replaces the older ones of its kind, so the worker takes ~12 GB (root file system and
@@ -161,8 +164,14 @@ def project_image(kind: str, repo_root: Path, *, mirror: str | None = None,
                 build = _Build(image.kind, cache / f"{image.kind}-{key}.log", log)
                 base = cache / f"{image.base_prefix}-{base_key}"
                 if not (base / "inputs.json").is_file():
-                    build.base(base_inputs, base, mirror or debian_mirror(),
-                               prefix=image.base_prefix)
+                    # Debian, the user and the venv, shared by the worker's and the
+                    # operator's bases: debootstrapped once for both.
+                    debian_inputs = {k: v for k, v in base_inputs.items()
+                                     if k not in ("image", "pip", "dependencies")}
+                    debian = cache / f"debian-{_hash(debian_inputs)}"
+                    if not (debian / "inputs.json").is_file():
+                        build.debian(debian_inputs, debian, mirror or debian_mirror())
+                    build.base(base_inputs, base, debian, prefix=image.base_prefix)
                 build.project(image, repo_root, context, base, archive)
     return _read_image(archive, image.ref)
 
