@@ -17,9 +17,7 @@ CHECK_PYTHON := $(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "D
 $(VENV)/.installed: pyproject.toml
 	@$(CHECK_PYTHON)
 	@$(PHASE) "setup: .venv and Python packages" sh -c '\
-	  $(PYTHON) -m venv $(VENV) && \
-	  $(BIN)/pip install --quiet --upgrade pip && \
-	  $(BIN)/pip install --quiet -e ".[test]"'
+	  $(PYTHON) -m venv $(VENV) && tools/pip-install $(VENV) -e ".[test]"'
 	@touch $@
 
 # The operator's environment as its slim image has it (Dockerfile target `operator`): only
@@ -31,9 +29,8 @@ operator-env: .venv-operator/.installed
 .venv-operator/.installed: operator/requirements.txt pyproject.toml
 	@$(PHASE) "setup: .venv-operator (the operator image's packages, no torch)" sh -c '\
 	  rm -rf .venv-operator && $(PYTHON) -m venv .venv-operator && \
-	  .venv-operator/bin/pip install --quiet --upgrade pip && \
-	  .venv-operator/bin/pip install --quiet -r operator/requirements.txt && \
-	  .venv-operator/bin/pip install --quiet --no-deps -e .'
+	  tools/pip-install .venv-operator -r operator/requirements.txt && \
+	  tools/pip-install .venv-operator --no-deps -e .'
 	@touch $@
 
 # The main job: a small elastic job on this machine. Four workers train gpt-tiny; one is
