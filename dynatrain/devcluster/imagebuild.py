@@ -68,6 +68,21 @@ def _prune(cache: Path, prefix: str, *keep: Path) -> None:
             old.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _staged(dest: Path, inputs: dict) -> Iterator[Path]:
+    """A cache entry built in a temporary directory beside ``dest``, with its ``inputs.json``,
+    and renamed to ``dest`` when complete; removed if anything fails (what a killed build
+    leaves is cleared by the next lock holder, :func:`_cache_lock`)."""
+    staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.tmp-"))
+    try:
+        yield staging
+        (staging / "inputs.json").write_text(json.dumps(inputs, indent=1))
+        staging.rename(dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 # --------------------------------------------------------------------------------------------
 # Building
 
@@ -263,8 +278,7 @@ class _Build:
                                   "(debootstrap, chroot, mount); run as root")
         _require("debootstrap", "unshare", "chroot", "mount")
         started = time.monotonic()
-        staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.tmp-"))
-        try:
+        with _staged(dest, {**inputs, "mirror": mirror}) as staging:
             root = staging / "rootfs"
             debs = dest.parent / "debs"
             debs.mkdir(exist_ok=True)
@@ -287,12 +301,6 @@ class _Build:
                 self.in_root(root, ["useradd", "--uid", str(USER_UID), "--create-home",
                                     "--shell", "/usr/sbin/nologin", "dynatrain"], timeout=60)
                 self.in_root(root, ["python3", "-m", "venv", VENV], timeout=300)
-            (staging / "inputs.json").write_text(json.dumps({**inputs, "mirror": mirror},
-                                                            indent=1))
-            staging.rename(dest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         self._log(f"{_PROGRESS} {self.label}: Debian root file system built in "
                   f"{(time.monotonic() - started) / 60:.1f} min -> {dest}")
         _prune(dest.parent, "debian", dest)
@@ -311,8 +319,8 @@ class _Build:
                                   "(chroot, mount); run as root")
         _require("unshare", "chroot", "mount", "cp")
         started = time.monotonic()
-        staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f"{dest.name}.tmp-"))
-        try:
+        mirror = json.loads((debian / "inputs.json").read_text())["mirror"]
+        with _staged(dest, {**inputs, "mirror": mirror}) as staging:
             root = staging / "rootfs"
             with self.step("copy", f"the Debian root file system of {debian.name}"):
                 # cp -a: owners, modes, device nodes, hard links and extended attributes, as
@@ -325,13 +333,6 @@ class _Build:
                 self._pip_install(root, [[f"pip=={PIP_VERSION}"], deps])
             with self.step("clean", "apt lists and caches, logs, pip cache"):
                 _clean_root(root)
-            mirror = json.loads((debian / "inputs.json").read_text())["mirror"]
-            (staging / "inputs.json").write_text(json.dumps({**inputs, "mirror": mirror},
-                                                            indent=1))
-            staging.rename(dest)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         self._log(f"{_PROGRESS} {self.label}: base root file system built in "
                   f"{(time.monotonic() - started) / 60:.1f} min -> {dest}")
         _prune(dest.parent, prefix, dest)
