@@ -37,15 +37,14 @@ appended (:class:`.ocilayout._Archive`); its 5.7 GB are neither copied nor re-re
 digest comes from the cache (``base-<key>/layer.json``).
 
 **Cache.** ``~/.cache/dynatrain/images/`` (``$XDG_CACHE_HOME``; ``DYNATRAIN_IMAGES_CACHE``
-overrides it), entries named by a hash of their inputs: ``pause-<key>.tar``, ``debian-<key>/`` (Debian from
-debootstrap, the user and an empty venv: the root file system the worker's and the operator's
-bases are copied from, so a cold build debootstraps once), ``base-<key>/`` and
+overrides it), entries named by a hash of their inputs: ``pause-<key>.tar``, ``debian-<key>/``
+(Debian from debootstrap, the user and an empty venv: the root file system the worker's and the
+operator's bases are copied from, so a cold build debootstraps once), ``base-<key>/`` and
 ``slim-base-<key>/`` (layer 1's ``rootfs/``, its ``inputs.json`` and ``layer.json``) and
-``worker-<key>.tar``, each
-made under a temporary name and renamed when complete, under a file lock that serialises
-concurrent builders (the second waits, then reuses the first one's result). A new entry
-replaces the older ones of its kind, so the worker takes ~12 GB (root file system and
-archive). :func:`import_images` holds an archive's lock shared while ``ctr`` reads it, so a
+``worker-<key>.tar``, each made under a temporary name and renamed when complete, under a file
+lock that serialises concurrent builders (the second waits, then reuses the first one's result).
+A new entry replaces the older ones of its kind, so the worker takes ~12 GB (root file system
+and archive). :func:`import_images` holds an archive's lock shared while ``ctr`` reads it, so a
 rebuild cannot cut an archive that is being imported.
 
 **Build.** Building the worker image needs root (``debootstrap``, ``chroot``, ``mount``) and
@@ -84,8 +83,8 @@ from .imagespec import (
     _ARCHIVE_FORMAT, _PROGRESS, DEBIAN_PACKAGES, DEFAULT_MIRROR, PAUSE_CONFIG, PAUSE_REF,
     PAUSE_SCRIPT, PIP_VERSION, PROJECT_IMAGES, PYTHON_VERSION, SUITE, USER_HOME, USER_UID, VENV,
     WORKER_CONFIG, WORKER_REF, OPERATOR_CONFIG, OPERATOR_REF, ImageBuildError, Log,
-    _base_inputs, _build_context, _file_sha256, _hash,
-    _tree_hash, debian_mirror, images_cache,
+    _base_inputs, _build_context, _debian_inputs, _file_sha256, _hash, _tree_hash,
+    debian_mirror, images_cache,
 )
 from .ocilayout import Image, Layer, _go_arch, _read_image, tar_tree
 
@@ -166,8 +165,7 @@ def project_image(kind: str, repo_root: Path, *, mirror: str | None = None,
                 if not (base / "inputs.json").is_file():
                     # Debian, the user and the venv, shared by the worker's and the
                     # operator's bases: debootstrapped once for both.
-                    debian_inputs = {k: v for k, v in base_inputs.items()
-                                     if k not in ("image", "pip", "dependencies")}
+                    debian_inputs = _debian_inputs(base_inputs)
                     debian = cache / f"debian-{_hash(debian_inputs)}"
                     if not (debian / "inputs.json").is_file():
                         build.debian(debian_inputs, debian, mirror or debian_mirror())

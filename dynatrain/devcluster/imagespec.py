@@ -178,6 +178,12 @@ def _base_inputs(repo_root: Path, kind: str = "worker") -> dict:
             "dependencies": [d.strip() for d in project.get("dependencies", [])]}
 
 
+def _debian_inputs(base_inputs: dict) -> dict:
+    """What decides the Debian stage both bases are copied from (its cache key): a base's
+    inputs without what only its venv's packages depend on."""
+    return {k: v for k, v in base_inputs.items() if k not in ("image", "pip", "dependencies")}
+
+
 def _build_context(repo_root: Path) -> list[str]:
     """The paths the Dockerfile's build stage copies in (``COPY pyproject.toml README.md ./``,
     ``COPY dynatrain/ dynatrain/``...): what the wheel is built from."""
