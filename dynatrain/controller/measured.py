@@ -93,8 +93,9 @@ class Measurement:
     layout, in rank order: who within a stage is the slow one (:mod:`.straggler`)."""
     stage_forward: tuple[float, ...] = ()
     stage_backward: tuple[float, ...] = ()
-    """Each pipeline stage's forward and backward compute seconds per step (its slowest
-    device's; () when the workers did not report them)."""
+    """Each pipeline stage's forward and backward compute seconds per step, both of the
+    device its :attr:`stage_compute` is (so they are parts of it); () when the workers did
+    not report them."""
     memory_bytes: int = 0
     """The device with the most memory at its steps (0: not reported)."""
     predicted_memory_bytes: int = 0
@@ -241,12 +242,26 @@ class StepCosts:
     def _slowest(self, devices, part: str) -> float:
         return max(self.devices[d].means.get(part, 0.0) for d in devices)
 
-    def stage_compute(self, layout: Layout, part: str = "compute") -> tuple[float, ...]:
-        """Each pipeline stage's ``part``: the slowest of its devices (after :meth:`steps`)."""
+    def _stages(self, layout: Layout) -> list[list[int]]:
         by_stage: list[list[int]] = [[] for _ in range(layout.pp)]
         for rank, device in enumerate(layout.device_of):
             by_stage[layout.coords(rank)[0]].append(device)
-        return tuple(self._slowest(devices, part) for devices in by_stage)
+        return by_stage
+
+    def stage_compute(self, layout: Layout) -> tuple[float, ...]:
+        """Each pipeline stage's compute: the slowest of its devices (after :meth:`steps`)."""
+        return tuple(self._slowest(devices, "compute") for devices in self._stages(layout))
+
+    def stage_part(self, layout: Layout, part: str) -> tuple[float, ...]:
+        """Each pipeline stage's ``part`` of compute (forward, backward) as measured on the
+        device its compute is taken from, the slowest. Not the slowest device per part: with
+        uneven work in a stage (a straggler's smaller share) one device can have the longest
+        forward and another the longest backward, and the two maxima would add up to more
+        than any device's compute."""
+        def slowest(devices):
+            return max(devices, key=lambda d: self.devices[d].means.get("compute", 0.0))
+        return tuple(self.devices[slowest(devices)].means.get(part, 0.0)
+                     for devices in self._stages(layout))
 
     def measurement(self, layout: Layout, predicted_seconds: float,
                     min_steps: int = MIN_STEPS, predicted_memory: int = 0
@@ -263,6 +278,6 @@ class StepCosts:
                            tuple((d, layout.coords(rank)[0],
                                   self.devices[d].means.get("compute", 0.0))
                                  for rank, d in enumerate(devices)),
-                           self.stage_compute(layout, "forward"),
-                           self.stage_compute(layout, "backward"),
+                           self.stage_part(layout, "forward"),
+                           self.stage_part(layout, "backward"),
                            int(self._slowest(devices, "memory")), predicted_memory)
