@@ -248,9 +248,15 @@ class StepCosts:
             by_stage[layout.coords(rank)[0]].append(device)
         return by_stage
 
+    def _slowest_in_compute(self, layout: Layout) -> list[DeviceCost]:
+        """Each pipeline stage's slowest device in compute: the one the stage waits for."""
+        return [max((self.devices[d] for d in devices),
+                    key=lambda c: c.means.get("compute", 0.0))
+                for devices in self._stages(layout)]
+
     def stage_compute(self, layout: Layout) -> tuple[float, ...]:
         """Each pipeline stage's compute: the slowest of its devices (after :meth:`steps`)."""
-        return tuple(self._slowest(devices, "compute") for devices in self._stages(layout))
+        return self.stage_part(layout, "compute")
 
     def stage_part(self, layout: Layout, part: str) -> tuple[float, ...]:
         """Each pipeline stage's ``part`` of compute (forward, backward) as measured on the
@@ -258,10 +264,7 @@ class StepCosts:
         uneven work in a stage (a straggler's smaller share) one device can have the longest
         forward and another the longest backward, and the two maxima would add up to more
         than any device's compute."""
-        def slowest(devices):
-            return max(devices, key=lambda d: self.devices[d].means.get("compute", 0.0))
-        return tuple(self.devices[slowest(devices)].means.get(part, 0.0)
-                     for devices in self._stages(layout))
+        return tuple(c.means.get(part, 0.0) for c in self._slowest_in_compute(layout))
 
     def measurement(self, layout: Layout, predicted_seconds: float,
                     min_steps: int = MIN_STEPS, predicted_memory: int = 0
