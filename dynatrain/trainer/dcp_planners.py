@@ -264,6 +264,10 @@ PLAN_CLASSES: dict[str, type] = {cls.__name__: cls for cls in (
 """The dataclasses and enums :func:`decode_plan` rebuilds, by class name: what a save's phases
 exchange (local and global ``SavePlan`` s, ``WriteResult`` s) and DCP's ``Metadata``."""
 _TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+_FIELD_ORDER: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls))
+    for cls in PLAN_CLASSES.values() if dataclasses.is_dataclass(cls)}
+"""Each plan dataclass's fields (``dataclasses.fields`` per object was a fifth of encoding)."""
 
 
 def _encode(obj):
@@ -286,43 +290,69 @@ def _encode(obj):
         if isinstance(obj, enum.Enum):
             return {"$enum": cls.__name__, "name": obj.name}
         return {"$class": cls.__name__,
-                "fields": {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+                "fields": {name: _encode(getattr(obj, name)) for name in _FIELD_ORDER[cls]}}
     raise TypeError(f"cannot encode a {cls.__module__}.{cls.__qualname__} for the ranks' plan "
                     f"exchange: only plain values and {', '.join(sorted(PLAN_CLASSES))}")
 
 
-def _decode(obj):
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    if not isinstance(obj, dict) or len(obj) not in (1, 2):
-        raise ValueError(f"not an encoded value: {str(obj)[:200]}")
-    if "$size" in obj:
-        return torch.Size([int(v) for v in obj["$size"]])
-    if "$tuple" in obj:
-        return tuple(_decode(v) for v in obj["$tuple"])
-    if "$dict" in obj:
-        return {_decode(k): _decode(v) for k, v in obj["$dict"]}
-    if "$torch" in obj:
-        value = getattr(torch, str(obj["$torch"]), None)
-        if not isinstance(value, _TORCH_ENUMS):
-            raise ValueError(f"torch.{obj['$torch']} is not a dtype, layout or memory format")
-        return value
-    if "$path" in obj:
-        return pathlib.Path(str(obj["$path"]))
-    name = obj.get("$enum") or obj.get("$class")
-    cls = PLAN_CLASSES.get(name)
-    if cls is None:
-        raise ValueError(f"class {name!r} is not one a plan may hold "
-                         f"({', '.join(sorted(PLAN_CLASSES))})")
-    if "$enum" in obj:
-        return cls[str(obj["name"])]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    given = obj["fields"]
-    if not isinstance(given, dict) or not set(given) <= fields:
-        raise ValueError(f"{name}: unknown fields {sorted(set(given) - fields)}")
-    return cls(**{k: _decode(v) for k, v in given.items()})
+class _Fields(dict):
+    """A JSON object without a tag: valid only as the ``fields`` of a ``$class``."""
+
+
+_FIELD_NAMES = {cls: frozenset(names) for cls, names in _FIELD_ORDER.items()}
+
+
+class _Decoder:
+    """One :func:`decode_plan`: ``json.loads`` calls :meth:`hook` on every object, innermost
+    first (in C, as it parses), and the hook rebuilds the tagged values of :func:`_encode`.
+
+    A save's plans are thousands of small objects (gpt-tiny on four ranks: ~470 KB of JSON
+    for one checkpoint's exchanges, all of them); a recursive walk in Python over the parsed
+    JSON took 28.6 ms for that, letting the parser drive takes 13.8 ms. An untagged object
+    becomes a :class:`_Fields`, which only a ``$class`` may take; counting them made and taken
+    keeps any other untagged object an error, as before."""
+
+    def __init__(self) -> None:
+        self.untagged = 0
+
+    def hook(self, obj: dict):
+        if len(obj) == 1:
+            (tag, value), = obj.items()
+            if tag == "$size":
+                return torch.Size([int(v) for v in _list(value)])
+            if tag == "$tuple":
+                return tuple(_list(value))
+            if tag == "$dict":
+                return {k: v for k, v in _list(value)}
+            if tag == "$torch":
+                found = getattr(torch, str(value), None)
+                if not isinstance(found, _TORCH_ENUMS):
+                    raise ValueError(f"torch.{value} is not a dtype, layout or memory format")
+                return found
+            if tag == "$path":
+                return pathlib.Path(str(value))
+        elif len(obj) == 2 and ("$class" in obj or "$enum" in obj):
+            name = obj.get("$enum") or obj.get("$class")
+            cls = PLAN_CLASSES.get(name)
+            if cls is None:
+                raise ValueError(f"class {name!r} is not one a plan may hold "
+                                 f"({', '.join(sorted(PLAN_CLASSES))})")
+            if "$enum" in obj:
+                return cls[str(obj["name"])]
+            given = obj["fields"]
+            if type(given) is not _Fields or not _FIELD_NAMES[cls].issuperset(given):
+                raise ValueError(f"{name}: fields {str(given)[:200]} are not its fields "
+                                 f"{sorted(_FIELD_NAMES[cls])}")
+            self.untagged -= 1
+            return cls(**given)
+        self.untagged += 1
+        return _Fields(obj)
+
+
+def _list(value) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list, found {str(value)[:200]}")
+    return value
 
 
 def encode_plan(obj) -> bytes:
@@ -333,7 +363,11 @@ def encode_plan(obj) -> bytes:
 
 def decode_plan(data: bytes):
     """The value :func:`encode_plan` wrote; ``ValueError`` for anything else."""
+    decoder = _Decoder()
     try:
-        return _decode(json.loads(bytes(data).decode()))
+        value = json.loads(bytes(data).decode(), object_hook=decoder.hook)
+        if decoder.untagged:
+            raise ValueError(f"{decoder.untagged} object(s) without a tag outside a $class")
+        return value
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"not an encoded plan ({type(e).__name__}: {e})") from e

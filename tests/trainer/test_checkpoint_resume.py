@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dynatrain.trainer import processes
-from dynatrain.trainer.checkpoint import (CheckpointError, latest_checkpoint, load_state,
-                                          save_checkpoint, save_state)
+from dynatrain.trainer.checkpoint import (CheckpointError, _phase, latest_checkpoint,
+                                          load_state, save_checkpoint, save_state)
 from dynatrain.trainer.config import make_config
 from dynatrain.trainer.groups import ParallelGroups, build_groups
 from dynatrain.trainer.state import assemble_full
@@ -82,6 +82,18 @@ def _train_worker(rank, world, port, cfg, root, resume_here, results):
         out["disagree"] = None
     except CheckpointError as e:
         out["disagree"] = str(e)
+    # A rank whose part of a phase raises makes every rank raise, naming it; a rank reads only
+    # the results it keeps, and its own.
+    def part():
+        if rank == world - 1:
+            raise OSError("disk full")
+        return rank
+    try:
+        _phase(groups.world, "test", part)
+        out["raised"] = None
+    except CheckpointError as e:
+        out["raised"] = str(e)
+    out["kept"] = _phase(groups.world, "keep", lambda: [rank, str(rank)], keep=lambda r: r == 0)
     _put(results, out)
 
 
@@ -145,6 +157,10 @@ def test_checkpoint_without_default_group_reshards_and_resumes_exactly(tmp_path,
     assert os.path.basename(path) == "step-00000005"
     for r in ranks:
         assert r["disagree"] is not None and "ranks disagree" in r["disagree"], r["disagree"]
+        assert r["raised"] == (f"checkpoint test failed on rank {world - 1}: OSError: disk "
+                               "full"), r["raised"]
+        assert r["kept"] == [[i, str(i)] if i in (0, r["rank"]) else None
+                             for i in range(world)], r["kept"]
     assert [e for e in os.listdir(root) if e.startswith("step-")] == ["step-00000005"]
     assert latest_checkpoint(root) == (path, 5)        # the refused save left nothing behind
 

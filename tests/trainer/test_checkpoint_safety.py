@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from dynatrain.trainer.checkpoint import (CheckpointError, CheckpointPathError,
-                                          UnsafeCheckpointError, _all_gather_object,
+                                          UnsafeCheckpointError, _phase,
                                           check_checkpoint_path, job_checkpoint_dir,
                                           latest_checkpoint, load_state, save_checkpoint)
 from dynatrain.trainer.config import make_config
@@ -196,9 +196,11 @@ def test_the_plans_the_ranks_exchange_are_json_and_round_trip(tmp_path, trained)
     assert len(plan.items) > 10
     phase = ("ok", [plan, None, (1, 2, None)])
     assert decode_plan(encode_plan(phase)) == phase
-    assert _all_gather_object(None, phase) == [phase]
+    assert _phase(None, "test", lambda: phase) == [phase]
     for hostile in (b'{"$class":"Popen","fields":{}}', b'{"$torch":"load"}',
-                    b'{"$class":"SavePlan","fields":{"items":[],"__class__":1}}', b"\x80\x04."):
+                    b'{"$class":"SavePlan","fields":{"items":[],"__class__":1}}', b"\x80\x04.",
+                    b'{"$tuple":[{"items":[]}]}', b'{"$class":"SavePlan","fields":{"$size":[]}}',
+                    b'{"$class":"WriteItemType","fields":{}}', b'{"$dict":[[[1],2]]}'):
         with pytest.raises(ValueError, match="not an encoded plan"):
             decode_plan(hostile)
     with pytest.raises(TypeError, match="cannot encode a .*_RunsCommand"):
