@@ -58,6 +58,7 @@ class _Resource:
     name: str                      # "nodes" or "pods", for logs and stats
     list_call: Callable            # e.g. CoreV1Api.list_node (bound): list and watch alike
     kind: str                      # "Node" / "Pod": list items carry no kind, watch objects do
+    scope: dict = field(default_factory=dict)       # list_call's arguments: namespace, selector
     objects: dict = field(default_factory=dict)     # key -> model object
     rv: str | None = None          # where the next watch starts; None: list first
     synced: threading.Event = field(default_factory=threading.Event)
@@ -80,14 +81,25 @@ class ClusterView:
 
     def __init__(self, api: client.ApiClient, log: Callable[[str], object], *,
                  watch_timeout_s: int = 300, backoff_first_s: float = 0.5,
-                 backoff_max_s: float = 30.0, page_size: int = 500):
+                 backoff_max_s: float = 30.0, page_size: int = 500,
+                 pods_namespace: str | None = None, pods_selector: str = ""):
+        """``pods_namespace`` and ``pods_selector`` (a label selector) narrow the pods kept
+        to those the apiserver lists for them: for a reader that needs only its own pods (the
+        dev cluster's pod runner), not the operator, whose free-capacity count needs all."""
         self.log = log
         self.watch_timeout_s = watch_timeout_s
         self.backoff_first_s, self.backoff_max_s = backoff_first_s, backoff_max_s
         self.page_size = page_size
         core = client.CoreV1Api(api)
         self._nodes = _Resource("nodes", core.list_node, "Node")
-        self._pods = _Resource("pods", core.list_pod_for_all_namespaces, "Pod")
+        # Arguments beside the call, not a functools.partial: Watch.stream reads the model
+        # to deserialize into from the bound method's docstring.
+        scope = {"label_selector": pods_selector} if pods_selector else {}
+        if pods_namespace is None:
+            self._pods = _Resource("pods", core.list_pod_for_all_namespaces, "Pod", scope)
+        else:
+            self._pods = _Resource("pods", core.list_namespaced_pod, "Pod",
+                                   {"namespace": pods_namespace, **scope})
         self._resources = (self._nodes, self._pods)
 
         # One lock guards the objects, the indexes and the change counters; the jobs' waits
@@ -144,6 +156,11 @@ class ClusterView:
         """The pods of ``namespace`` labelled ``dynatrain.io/job=<job>``, whoever owns them."""
         with self._lock:
             return list(self._by_job.get((namespace, job), {}).values())
+
+    def pods(self) -> list[client.V1Pod]:
+        """Every pod kept (all of them, or those of the view's namespace and selector)."""
+        with self._lock:
+            return list(self._pods.objects.values())
 
     def pods_on_nodes(self) -> list[client.V1Pod]:
         """Every pod bound to a node, in every namespace and phase (for capacity: callers
@@ -263,7 +280,7 @@ class ClusterView:
             if token:
                 kwargs["_continue"] = token
             try:
-                page = r.list_call(**kwargs)
+                page = r.list_call(**r.scope, **kwargs)
             except ApiException as e:       # an expired continue token: start over
                 if e.status == GONE:
                     raise Gone(f"list: {e.reason}") from e
@@ -305,7 +322,7 @@ class ClusterView:
         # its end before then.
         timeout = int(self.watch_timeout_s * random.uniform(1.0, 1.2)) or 1
         try:
-            for event in w.stream(r.list_call, resource_version=r.rv,
+            for event in w.stream(r.list_call, **r.scope, resource_version=r.rv,
                                   allow_watch_bookmarks=True, timeout_seconds=timeout,
                                   _request_timeout=(30, timeout + 60)):
                 self._on_event(r, event)
