@@ -164,15 +164,11 @@ class PodRunner:
         """How often the nodes' heartbeat leases (which nodes are alive) and the pending claims
         are read. A node that stops heart-beating is noticed within this, as a kubelet's
         machine that dies takes its processes with it a moment later; a pod on a node not seen
-        before has them read at once (a new node's pods start without waiting). The pods and
-        the nodes themselves are watched (:attr:`view`), so a round reads them from memory.
-        Measured on 2 cores: a runner listing pods, nodes, leases and claims every 0.2 s took
-        ~7.5% of a core from the apiserver, etcd and itself with no pod to run; in the operator
-        suites its pods list was the apiserver's largest request stream."""
+        before has them read at once (a new node's pods start without waiting)."""
         self.view: ClusterView | None = None
-        """The runner's pods (its namespace and selector) and the nodes, each listed once and
-        then watched, as a kubelet watches its pods: the apiserver sends each change once
-        instead of every pod every round. Made by :meth:`start` (or the first :meth:`sync`)."""
+        """The runner's pods (its namespace and selector) and the nodes, listed once and then
+        watched, as a kubelet watches its pods, so a round reads memory (listing all four every
+        0.2 s took ~7.5% of a 2-core machine with no pod to run). Made by :meth:`start`."""
         self._alive: set[str] = set()
         self._known: set[str] = set()
         self._nodes_read = -float("inf")
