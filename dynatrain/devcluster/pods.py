@@ -9,15 +9,16 @@ command as a process on this machine, the way a kubelet would:
   ``status.podIP``/``hostIP``), ``configMapKeyRef``, ``secretKeyRef`` and ``envFrom``;
 - the wildcard address ``0.0.0.0`` as a whole argument (what a pod binds to listen on all its
   addresses) becomes the pod's IP (a process has no network namespace of its own);
-- volumes as directories: ConfigMap and Secret volumes written per pod (as the kubelet's
-  atomic writer does: files behind a ``..data`` symlink swapped in one step) and re-synced
-  every ``volume_sync_s`` while the pod runs, as a real kubelet updates a mounted Secret or
-  ConfigMap in place (a rotated certificate or token reaches a running worker);
-  ``emptyDir`` per pod, and every PersistentVolumeClaim backed by one directory per claim that every pod mounting it
-  shares (as a ReadWriteMany volume would). Mount paths in the command, the arguments and the
-  environment are mapped onto those directories (a process has no mount namespace of its own);
-- a claim of the runner's StorageClass (:data:`.volumes.STORAGE_CLASS`, the dev cluster's default) is
-  provisioned as a ``hostPath`` PersistentVolume on that directory, which
+- volumes as directories (:mod:`.volumes`): ConfigMap and Secret volumes written per pod (as
+  the kubelet's atomic writer does: files behind a ``..data`` symlink swapped in one step) and
+  re-synced every ``volume_sync_s`` while the pod runs, as a real kubelet updates a mounted
+  Secret or ConfigMap in place (a rotated certificate or token reaches a running worker);
+  ``emptyDir`` per pod, and every PersistentVolumeClaim backed by one directory per claim that
+  every pod mounting it shares (as a ReadWriteMany volume would). Mount paths in the command,
+  the arguments and the environment are mapped onto those directories (a process has no mount
+  namespace of its own);
+- a claim of the runner's StorageClass (:data:`.volumes.STORAGE_CLASS`, the dev cluster's
+  default) is provisioned as a ``hostPath`` PersistentVolume on that directory, which
   kube-controller-manager's volume binder binds, as a local-path provisioner does;
 - a process that exits makes its pod ``Succeeded`` or ``Failed`` with the exit code in the
   container's status, or is restarted per ``restartPolicy`` (with the kubelet's back-off:
@@ -48,7 +49,6 @@ step per that many seconds; nothing else about the pod changes.
 
 from __future__ import annotations
 
-import base64
 import datetime
 import os
 import re
@@ -65,7 +65,7 @@ from ..controller import workerstart
 from . import endpoints
 from .nodes import KWOK_ANNOTATION, NODE_LEASE_NAMESPACE, heartbeat_stopped
 from .processes import _die_with_parent
-from .volumes import project, provision_claims
+from .volumes import container_env, mount_volumes, project, provision_claims, volume_data
 
 WILDCARD = "0.0.0.0"
 """An address to bind in a pod's command or arguments that the runner replaces by the pod's IP:
@@ -454,9 +454,9 @@ class PodRunner:
         root = self.workdir / ns / name
         root.mkdir(parents=True, exist_ok=True)
         container = pod.spec.containers[0]
-        env = self._env(pod, container)
+        env = container_env(self.core, pod, container)
         projections: list = []
-        mounts = self._volumes(pod, container, root, projections)
+        mounts = mount_volumes(self.core, pod, container, root, self.claim_dir, projections)
 
         pod_ip = pod.status.pod_ip if pod.status else ""
 
@@ -497,8 +497,7 @@ class PodRunner:
 
         for local, kind, name, items, mode in c.projections:
             try:
-                data = (self._secret_bytes(c.namespace, name) if kind == "secret" else
-                        {k: t.encode() for k, t in self._config_map(c.namespace, name).items()})
+                data = volume_data(self.core, c.namespace, kind, name)
             except ApiException as e:
                 if e.status == 404:
                     continue
@@ -506,77 +505,6 @@ class PodRunner:
             if project(local, items, data, mode=mode):
                 self._say(f"[pods] {c.namespace}/{c.name}: {kind} {name} updated in its volume")
 
-    def _env(self, pod, container) -> dict[str, str]:
-        fields = {"status.podIP": pod.status.pod_ip, "status.hostIP": pod.status.host_ip,
-                  "metadata.name": pod.metadata.name,
-                  "metadata.namespace": pod.metadata.namespace,
-                  "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name,
-                  "spec.serviceAccountName": pod.spec.service_account_name}
-        ns = pod.metadata.namespace
-        env: dict[str, str] = {}
-        for source in container.env_from or []:
-            prefix = source.prefix or ""
-            if source.config_map_ref is not None:
-                data = self._config_map(ns, source.config_map_ref.name)
-            elif source.secret_ref is not None:
-                data = self._secret(ns, source.secret_ref.name)
-            else:
-                continue
-            env.update({prefix + k: v for k, v in data.items()})
-        for e in container.env or []:
-            if e.value is not None:
-                env[e.name] = e.value
-            elif e.value_from is None:
-                env[e.name] = ""
-            elif e.value_from.field_ref is not None:
-                env[e.name] = fields.get(e.value_from.field_ref.field_path) or ""
-            elif e.value_from.config_map_key_ref is not None:
-                ref = e.value_from.config_map_key_ref
-                env[e.name] = self._config_map(ns, ref.name).get(ref.key, "")
-            elif e.value_from.secret_key_ref is not None:
-                ref = e.value_from.secret_key_ref
-                env[e.name] = self._secret(ns, ref.name).get(ref.key, "")
-        return env
-
-    def _config_map(self, namespace: str, name: str) -> dict[str, str]:
-        return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
-
-    def _secret(self, namespace: str, name: str) -> dict[str, str]:
-        return {k: v.decode(errors="replace")
-                for k, v in self._secret_bytes(namespace, name).items()}
-
-    def _secret_bytes(self, namespace: str, name: str) -> dict[str, bytes]:
-        data = self.core.read_namespaced_secret(name, namespace).data or {}
-        return {k: base64.b64decode(v) for k, v in data.items()}
-
-    def _volumes(self, pod, container, root: Path,
-                 projections: list | None = None) -> dict[str, Path]:
-        """Mount path -> local directory (or file, with subPath) for each volume mount; the
-        Secret and ConfigMap volumes are added to ``projections`` (to be re-synced)."""
-        projections = [] if projections is None else projections
-        ns = pod.metadata.namespace
-        volumes = {v.name: v for v in pod.spec.volumes or []}
-        mounts = {}
-        for m in container.volume_mounts or []:
-            v = volumes[m.name]
-            if v.persistent_volume_claim is not None:
-                local = self.claim_dir(ns, v.persistent_volume_claim.claim_name)
-            else:
-                local = root / "volumes" / m.name
-            local.mkdir(parents=True, exist_ok=True)
-            if v.config_map is not None:
-                data = {k: t.encode() for k, t in self._config_map(ns, v.config_map.name).items()}
-                project(local, v.config_map.items, data, mode=None)
-                projections.append((local, "configmap", v.config_map.name, v.config_map.items,
-                                    None))
-            elif v.secret is not None:
-                project(local, v.secret.items, self._secret_bytes(ns, v.secret.secret_name),
-                         mode=0o600)
-                projections.append((local, "secret", v.secret.secret_name, v.secret.items,
-                                    0o600))
-            mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path \
-                else local
-        return mounts
 
 GPU_RESOURCE = "nvidia.com/gpu"
 

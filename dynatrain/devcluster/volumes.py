@@ -1,5 +1,10 @@
-"""The dev cluster's volumes, as a kubelet and a local-path provisioner make them for
-:class:`.pods.PodRunner`:
+"""What a pod's container sees of the API in the dev cluster, as a kubelet and a local-path
+provisioner make it for :class:`.pods.PodRunner`:
+
+- :func:`container_env`: its environment (``env``, ``envFrom``, field, ConfigMap and Secret
+  references);
+- :func:`mount_volumes`: its volume mounts as local directories (emptyDir, ConfigMap, Secret,
+  PersistentVolumeClaim), the ConfigMap and Secret ones to be re-synced (:func:`volume_data`);
 
 - :func:`project`: a ConfigMap's or Secret's keys written into a pod's volume directory the
   way the kubelet's atomic writer does (files behind a ``..data`` symlink swapped in one
@@ -11,6 +16,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import time
@@ -112,3 +118,88 @@ def project(local: Path, items, data: dict[str, bytes], *, mode: int | None) -> 
     if old is not None and old.parent == local:
         shutil.rmtree(old, ignore_errors=True)
     return True
+
+
+def config_map_data(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, str]:
+    return dict(core.read_namespaced_config_map(name, namespace).data or {})
+
+
+def secret_bytes(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, bytes]:
+    data = core.read_namespaced_secret(name, namespace).data or {}
+    return {k: base64.b64decode(v) for k, v in data.items()}
+
+
+def volume_data(core: client.CoreV1Api, namespace: str, kind: str, name: str) -> dict[str, bytes]:
+    """The bytes of a ``kind`` ("secret" or "configmap") volume's source, key by key."""
+    if kind == "secret":
+        return secret_bytes(core, namespace, name)
+    return {k: t.encode() for k, t in config_map_data(core, namespace, name).items()}
+
+
+def container_env(core: client.CoreV1Api, pod, container) -> dict[str, str]:
+    """The container's environment as a kubelet makes it: ``envFrom`` sources first, then
+    ``env`` (a value, a field of the pod, or a ConfigMap's or Secret's key; a missing key is
+    empty)."""
+    fields = {"status.podIP": pod.status.pod_ip, "status.hostIP": pod.status.host_ip,
+              "metadata.name": pod.metadata.name,
+              "metadata.namespace": pod.metadata.namespace,
+              "metadata.uid": pod.metadata.uid, "spec.nodeName": pod.spec.node_name,
+              "spec.serviceAccountName": pod.spec.service_account_name}
+    ns = pod.metadata.namespace
+
+    def secret(name: str) -> dict[str, str]:
+        return {k: v.decode(errors="replace") for k, v in secret_bytes(core, ns, name).items()}
+
+    env: dict[str, str] = {}
+    for source in container.env_from or []:
+        prefix = source.prefix or ""
+        if source.config_map_ref is not None:
+            data = config_map_data(core, ns, source.config_map_ref.name)
+        elif source.secret_ref is not None:
+            data = secret(source.secret_ref.name)
+        else:
+            continue
+        env.update({prefix + k: v for k, v in data.items()})
+    for e in container.env or []:
+        if e.value is not None:
+            env[e.name] = e.value
+        elif e.value_from is None:
+            env[e.name] = ""
+        elif e.value_from.field_ref is not None:
+            env[e.name] = fields.get(e.value_from.field_ref.field_path) or ""
+        elif e.value_from.config_map_key_ref is not None:
+            ref = e.value_from.config_map_key_ref
+            env[e.name] = config_map_data(core, ns, ref.name).get(ref.key, "")
+        elif e.value_from.secret_key_ref is not None:
+            ref = e.value_from.secret_key_ref
+            env[e.name] = secret(ref.name).get(ref.key, "")
+    return env
+
+
+def mount_volumes(core: client.CoreV1Api, pod, container, root: Path,
+                  claim_dir: Callable[[str, str], Path],
+                  projections: list | None = None) -> dict[str, Path]:
+    """Mount path -> local directory (or file, with subPath) for each of the container's volume
+    mounts, under ``root/volumes`` or a claim's ``claim_dir``; the Secret and ConfigMap volumes
+    are added to ``projections`` as (directory, kind, name, items, mode), to be re-synced."""
+    projections = [] if projections is None else projections
+    ns = pod.metadata.namespace
+    volumes = {v.name: v for v in pod.spec.volumes or []}
+    mounts = {}
+    for m in container.volume_mounts or []:
+        v = volumes[m.name]
+        if v.persistent_volume_claim is not None:
+            local = claim_dir(ns, v.persistent_volume_claim.claim_name)
+        else:
+            local = root / "volumes" / m.name
+        local.mkdir(parents=True, exist_ok=True)
+        if v.config_map is not None:
+            project(local, v.config_map.items,
+                    volume_data(core, ns, "configmap", v.config_map.name), mode=None)
+            projections.append((local, "configmap", v.config_map.name, v.config_map.items, None))
+        elif v.secret is not None:
+            project(local, v.secret.items, secret_bytes(core, ns, v.secret.secret_name),
+                    mode=0o600)
+            projections.append((local, "secret", v.secret.secret_name, v.secret.items, 0o600))
+        mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path else local
+    return mounts
