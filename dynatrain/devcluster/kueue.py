@@ -76,9 +76,19 @@ def ensure_kueue(toolchain: GoModule | None = None, *,
 
 
 def source_dir(toolchain: GoModule | None = None) -> Path:
-    """Kueue's module source (its ``config/`` manifests), from the Go module cache."""
-    out = run_go(toolchain or default_toolchain(), "list", "-m", "-f", "{{.Dir}}",
-                 KUEUE_MODULE, timeout=300).strip()
+    """Kueue's module source (its ``config/`` manifests), from the Go module cache; downloaded
+    there first when it is not (the binary was cached by an earlier build, then Go's module
+    cache was cleaned or is another user's)."""
+    toolchain = toolchain or default_toolchain()
+
+    def listed() -> str:
+        return run_go(toolchain, "list", "-m", "-f", "{{.Dir}}", KUEUE_MODULE,
+                      timeout=300).strip()
+
+    out = listed()
+    if not out:
+        run_go(toolchain, "mod", "download", KUEUE_MODULE, timeout=900)
+        out = listed()
     if not out or not (Path(out) / "config" / "components").is_dir():
         raise DevClusterError(f"`go list -m {KUEUE_MODULE}` in tools/kueue gave {out!r}, "
                               "which has no config/components: is the module downloaded?")

@@ -25,6 +25,23 @@ def src():
         pytest.skip(f"Kueue's module source is not available here: {e}")
 
 
+def test_the_source_is_downloaded_when_the_module_cache_lacks_it(tmp_path, monkeypatch):
+    # Kueue's binary is cached by the dev cluster (~/.cache/dynatrain/kueue) apart from Go's
+    # module cache, which a user can clean: the source is then fetched again, not refused.
+    cache = tmp_path / "gomodcache"
+    monkeypatch.setenv("GOMODCACHE", str(cache))
+    try:
+        src = kueue.source_dir()
+    except GoUnavailable as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Go here: {e}")
+    finally:
+        for root, dirs, _ in os.walk(cache):           # Go's module cache is read-only
+            os.chmod(root, 0o755)
+    assert src.is_relative_to(cache) and (src / "config" / "components" / "crd").is_dir()
+
+
 def test_the_webhooks_kept_call_the_manager_on_loopback_and_pods_only_with_a_queue(src):
     docs = kueue.webhook_configurations(src, url="https://127.0.0.1:9443", ca_pem=b"PEM")
     assert {d["kind"] for d in docs} == {"MutatingWebhookConfiguration",
