@@ -1,6 +1,19 @@
 import os
 
-from hypothesis import HealthCheck, settings
+# Threads that wait at an OpenMP barrier sleep rather than spin (libgomp, torch's OpenMP
+# runtime, reads this once, when torch is first imported: here, before any test imports it;
+# every process a test starts inherits it: ranks, fork servers, `dynatrain run`, workers, the
+# operator). The test machine is oversubscribed on purpose (two pytest sessions and their
+# workers on 2 cores), and a process with more than one torch thread there (run_local's single
+# rank, which takes every core; the pytest process's own torch) spins at every barrier while
+# its other thread waits for a core: on 2 cores with both busy, run_local of gpt-tiny at dp=1
+# for 24 steps took 28.4 core-s spinning and 8.8 sleeping (tests/controller/test_data_events,
+# once 222 s of a CI run). A harness setting for the tests' machine, not the product's: on an
+# idle machine spinning saves a wake-up per barrier, and users' processes keep torch's default
+# (tests/test_conftest.py checks that the setting reaches what the tests start).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # CI runs more examples than a developer's quick loop; both are deterministic per seed.
 settings.register_profile("ci", max_examples=300, deadline=None,
