@@ -119,6 +119,29 @@ def namespace(devcluster, core):
     core.delete_namespace(name)      # the namespace controller finishes it in the background
 
 
+@pytest.fixture(scope="module")
+def dynatrain_crd(devcluster, kubectl):
+    """The DynaTrainJob CRD applied (server-side, so every module's copy of it is simply
+    updated) and served; its object as the apiserver has it."""
+    from kubernetes import client
+
+    from harness.operator_process import ROOT
+
+    kubectl("apply", "--server-side", "--force-conflicts", "-f",
+            str(ROOT / "crds" / "dynatrainjob.yaml"))
+    devcluster.wait_established("dynatrainjobs.dynatrain.io")
+    return client.ApiextensionsV1Api(devcluster.api_client()).read_custom_resource_definition(
+        name="dynatrainjobs.dynatrain.io")
+
+
+@pytest.fixture
+def custom(devcluster, dynatrain_crd):
+    """The custom-objects API, with the DynaTrainJob CRD served."""
+    from kubernetes import client
+
+    return client.CustomObjectsApi(devcluster.api_client())
+
+
 @pytest.fixture
 def timeout():
     return datetime.timedelta(seconds=30)

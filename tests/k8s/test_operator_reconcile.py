@@ -3,8 +3,9 @@
 Against the real control plane (the dev cluster's kube-apiserver, controller-manager and
 scheduler; kwok nodes), with `dynatrain operator` as a separate process and the job's worker
 pods run as local processes by the pod runner. What the CRD refuses at admission is tested in
-test_crd_validation.py; these are the cases only the operator can judge, each answered by a
-named status condition within seconds, and what it does about them.
+test_crd_validation.py, and the edits it refuses in test_crd_updates.py; these are the cases
+only the operator can judge, each answered by a named status condition within seconds, and
+what it does about them.
 """
 
 from __future__ import annotations
