@@ -5,7 +5,6 @@ provisioner make it for :class:`.pods.PodRunner`:
   references);
 - :func:`mount_volumes`: its volume mounts as local directories (emptyDir, ConfigMap, Secret,
   PersistentVolumeClaim), the ConfigMap and Secret ones to be re-synced (:func:`volume_data`);
-
 - :func:`project`: a ConfigMap's or Secret's keys written into a pod's volume directory the
   way the kubelet's atomic writer does (files behind a ``..data`` symlink swapped in one
   step), so a running process never reads half an update;
