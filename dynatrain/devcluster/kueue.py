@@ -91,7 +91,7 @@ def source_dir(toolchain: GoModule | None = None) -> Path:
         out = listed()
     if not out or not (Path(out) / "config" / "components").is_dir():
         raise DevClusterError(f"`go list -m {KUEUE_MODULE}` in tools/kueue gave {out!r}, "
-                              "which has no config/components: is the module downloaded?")
+                              "which has no config/components (a download of it was tried)")
     return Path(out)
 
 

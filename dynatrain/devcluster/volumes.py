@@ -193,12 +193,14 @@ def mount_volumes(core: client.CoreV1Api, pod, container, root: Path,
             local = root / "volumes" / m.name
         local.mkdir(parents=True, exist_ok=True)
         if v.config_map is not None:
-            project(local, v.config_map.items,
-                    volume_data(core, ns, "configmap", v.config_map.name), mode=None)
-            projections.append((local, "configmap", v.config_map.name, v.config_map.items, None))
+            source = ("configmap", v.config_map.name, v.config_map.items, None)
         elif v.secret is not None:
-            project(local, v.secret.items, secret_bytes(core, ns, v.secret.secret_name),
-                    mode=0o600)
-            projections.append((local, "secret", v.secret.secret_name, v.secret.items, 0o600))
+            source = ("secret", v.secret.secret_name, v.secret.items, 0o600)
+        else:
+            source = None
+        if source is not None:
+            kind, name, items, mode = source
+            project(local, items, volume_data(core, ns, kind, name), mode=mode)
+            projections.append((local, *source))
         mounts[m.mount_path.rstrip("/") or "/"] = local / m.sub_path if m.sub_path else local
     return mounts
